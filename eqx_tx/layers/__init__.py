@@ -1,0 +1,1 @@
+"""Shared building blocks: linear projections, norms, rotary embeddings, attention."""

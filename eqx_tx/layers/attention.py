@@ -1,0 +1,114 @@
+"""Multi-head attention with grouped K/V heads, optional q/k RMSNorm and biases."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..compute import ComputeConfig
+from ..sharding import constrain
+from .kv_cache import KVCache
+from .linear import Linear
+from .norm import RMSNorm
+from .rope import apply_rope
+from .sdpa import dot_product_attention
+
+
+class AttentionMask(eqx.Module):
+    """Which keys each query sees.
+
+    Key `j` of sequence `b` is visible to query `i` iff `j < kv_lengths[b]` and
+    `j <= q_offset[b] + i` (causal). `q_offset` is the Python int `0` when queries
+    start at position 0 (training, the first prefill chunk), which lets cuDNN run.
+    """
+
+    kv_lengths: Int[Array, " batch"] | None
+    q_offset: int | Int[Array, " batch"] = eqx.field(default=0)
+
+
+class Attention(eqx.Module):
+    """Self-attention: projections, q/k norm, RoPE, attention kernel, output projection."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        norm_eps: float = 1e-6,
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        lin = dict(dtype=dtype)
+        self.q_proj = Linear(hidden_size, (num_heads, head_dim), axes=("heads", "head_dim", "embed"), use_bias=qkv_bias, key=kq, **lin)
+        self.k_proj = Linear(hidden_size, (num_kv_heads, head_dim), axes=("kv_heads", "head_dim", "embed"), use_bias=qkv_bias, key=kk, **lin)
+        self.v_proj = Linear(hidden_size, (num_kv_heads, head_dim), axes=("kv_heads", "head_dim", "embed"), use_bias=qkv_bias, key=kv, **lin)
+        self.o_proj = Linear((num_heads, head_dim), hidden_size, axes=("embed", "heads", "head_dim"), use_bias=o_bias, key=ko, **lin)
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype) if qk_norm else None
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: AttentionMask,
+        compute: ComputeConfig,
+        cache: KVCache | None = None,
+        layer: Int[Array, ""] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+        """**Arguments:**
+
+        - `x`: the normalised hidden states.
+        - `cos`, `sin`: rotary angles of each position (`eqx_tx.layers.rope`).
+        - `mask`: which keys each query sees.
+        - `compute`: attention implementation and tile sizes.
+        - `cache`, `layer`, `positions`: with a cache, this layer's new keys/values
+          are written at slots `positions` and attention reads the whole cache.
+
+        **Returns:** the attention output (before the residual add) and the cache.
+        """
+        q_bthk = self.q_proj(x)
+        k_bthk = self.k_proj(x)
+        v_bthk = self.v_proj(x)
+        if self.q_norm is not None:
+            q_bthk = self.q_norm(q_bthk)
+            k_bthk = self.k_norm(k_bthk)
+        q_bthk = apply_rope(q_bthk, cos, sin)
+        k_bthk = apply_rope(k_bthk, cos, sin)
+        q_bthk = checkpoint_name(constrain(q_bthk, ("batch", "seq", "act_heads", None)), "q")
+        k_bthk = checkpoint_name(constrain(k_bthk, ("batch", "seq", "act_kv_heads", None)), "k")
+        v_bthk = checkpoint_name(constrain(v_bthk, ("batch", "seq", "act_kv_heads", None)), "v")
+        if cache is not None:
+            cache = cache.write(layer, k_bthk, v_bthk, positions)
+            k_bshk, v_bshk = cache.layer(layer)
+        else:
+            k_bshk, v_bshk = k_bthk, v_bthk
+        o_bthk = dot_product_attention(
+            q_bthk,
+            k_bshk,
+            v_bshk,
+            kv_lengths=mask.kv_lengths,
+            q_offset=mask.q_offset,
+            causal=True,
+            implementation=compute.attention,
+            block_q=compute.block_q,
+            block_kv=compute.block_kv,
+        )
+        o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
+        return self.o_proj(o_bthk), cache

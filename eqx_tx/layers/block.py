@@ -1,0 +1,101 @@
+"""The pre-norm decoder block and the scan that runs a stack of them."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from ..compute import ComputeConfig
+from ..sharding import constrain
+from .attention import Attention, AttentionMask
+from .kv_cache import KVCache
+from .mlp import GatedMLP
+from .norm import RMSNorm
+
+
+class DecoderBlock(eqx.Module):
+    """`x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+    mlp: GatedMLP
+
+    def __init__(self, *, input_layernorm, self_attn, post_attention_layernorm, mlp):
+        self.input_layernorm = input_layernorm
+        self.self_attn = self_attn
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        cos,
+        sin,
+        mask: AttentionMask,
+        compute: ComputeConfig,
+        cache: KVCache | None = None,
+        layer: Int[Array, ""] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+        h, cache = self.self_attn(
+            self.input_layernorm(x),
+            cos=cos,
+            sin=sin,
+            mask=mask,
+            compute=compute,
+            cache=cache,
+            layer=layer,
+            positions=positions,
+        )
+        x = x + checkpoint_name(h, "block_attn_out")
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+def stack_length(stacked: eqx.Module) -> int:
+    """Number of layers in a stacked module (the leading axis of its arrays)."""
+    return jax.tree.leaves(eqx.filter(stacked, eqx.is_array))[0].shape[0]
+
+
+def activation_axes(compute: ComputeConfig) -> tuple[str, str, str]:
+    """Logical axes of the hidden states between blocks."""
+    return ("batch", "seq", "act_embed")
+
+
+def run_stack(
+    layers: DecoderBlock,
+    x: Float[Array, "batch seq embed"],
+    *,
+    cos,
+    sin,
+    mask: AttentionMask,
+    compute: ComputeConfig,
+    cache: KVCache | None = None,
+    positions: Int[Array, "batch seq"] | None = None,
+) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+    """Run the stacked blocks with `lax.scan`, each step under `filter_checkpoint`.
+
+    The scan body returns only its carry: the hidden states (and, when sampling,
+    the cache, written in place at this layer's index). Returning per-layer outputs
+    or parameters would make XLA keep a second stacked copy.
+    """
+    params, static = eqx.partition(layers, eqx.is_array)
+    axes = activation_axes(compute)
+
+    def body(carry, xs):
+        layer_params, index = xs
+        block = eqx.combine(layer_params, static)
+        h, c = carry
+        h, c = block(h, cos=cos, sin=sin, mask=mask, compute=compute, cache=c, layer=index, positions=positions)
+        return (constrain(h, axes), c), None
+
+    if cache is None and compute.remat != "none":
+        # prevent_cse=False: the scan already stops XLA from merging the recomputation
+        # with the forward pass across iterations, and the CSE barriers would only
+        # block fusions inside the layer.
+        body = eqx.filter_checkpoint(body, policy=compute.checkpoint_policy(), prevent_cse=False)
+    (x, cache), _ = jax.lax.scan(body, (constrain(x, axes), cache), (params, jnp.arange(stack_length(layers))))
+    return x, cache

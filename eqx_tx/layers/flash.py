@@ -1,0 +1,230 @@
+"""Blockwise (flash) attention in pure JAX: O(T) memory forward and backward.
+
+Queries are processed one block at a time; for each query block a loop over
+key/value blocks keeps a running max and sum (online softmax), so at most one
+`[block_q, block_kv]` tile of scores per head exists at once. The backward pass is
+a custom VJP that recomputes each tile from the saved log-sum-exp (FlashAttention-2)
+and accumulates `dq` in place, so nothing quadratic is ever stored.
+
+Masking is described by two things only: key `j` of sequence `b` is visible to query
+`i` iff `j < kv_lengths[b]` and, when causal, `j <= q_offset[b] + i`. Training uses
+`q_offset = 0`; chunked prefill the chunk start; decode the current cache length.
+Loops run only over blocks that hold a visible key, so causal attention skips the
+fully masked upper triangle and decode skips the unfilled part of the cache.
+
+GQA is handled by grouping the query heads of each key/value head
+(`[batch, q, kv_heads, group, head_dim]`), never by repeating K/V.
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    causal: bool
+    block_q: int
+    block_kv: int
+    scale: float
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _pad_axis(x, size, axis):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _tile_mask(q_pos, k_pos, kv_lengths, causal):
+    """`[batch, 1, 1, bq, bk]` visibility of keys `k_pos` to queries `q_pos`."""
+    visible = k_pos[None, None, :] < kv_lengths[:, None, None]
+    if causal:
+        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+    return visible[:, None, None]
+
+
+def _kv_block_range(static: _Static, q_hi, kv_lengths, n_kv):
+    """Key/value blocks `[0, hi)` holding a key visible to queries with positions `<= q_hi`."""
+    last_key = jnp.max(kv_lengths) - 1
+    if static.causal:
+        last_key = jnp.minimum(last_key, q_hi)
+    return jnp.clip((last_key + static.block_kv) // static.block_kv, 0, n_kv)
+
+
+def _forward(q, k, v, kv_lengths, q_offset, static: _Static):
+    """Returns `o [B, Tp, Hkv, G, K]` (q dtype) and `lse [B, Tp, Hkv, G]` (float32)."""
+    bq, bk = static.block_q, static.block_kv
+    B, Tp, Hkv, G, K = q.shape
+    n_q, n_kv = Tp // bq, k.shape[1] // bk
+    off_max = jnp.max(q_offset)
+
+    def q_block(i, carry):
+        out, lse = carry
+        q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
+        q_pos = q_offset[:, None] + i * bq + jnp.arange(bq)
+
+        def kv_block(j, acc):
+            o, m, l = acc
+            k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
+            v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+            s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
+            s = s * static.scale
+            mask = _tile_mask(q_pos, j * bk + jnp.arange(bk), kv_lengths, static.causal)
+            s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bhgqs,bshk->bhgqk", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
+            return alpha[..., None] * o + pv, m_new, l
+
+        o0 = jnp.zeros((B, Hkv, G, bq, K), jnp.float32)
+        m0 = jnp.full((B, Hkv, G, bq), -jnp.inf, jnp.float32)
+        l0 = jnp.zeros((B, Hkv, G, bq), jnp.float32)
+        hi = _kv_block_range(static, off_max + (i + 1) * bq - 1, kv_lengths, n_kv)
+        o, m, l = jax.lax.fori_loop(0, hi, kv_block, (o0, m0, l0))
+        o = o / jnp.where(l > 0, l, 1.0)[..., None]
+        lse_i = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        out = jax.lax.dynamic_update_slice_in_dim(
+            out, jnp.transpose(o, (0, 3, 1, 2, 4)).astype(out.dtype), i * bq, axis=1
+        )
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, jnp.transpose(lse_i, (0, 3, 1, 2)), i * bq, axis=1)
+        return out, lse
+
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.zeros((B, Tp, Hkv, G), jnp.float32)
+    return jax.lax.fori_loop(0, n_q, q_block, (out, lse))
+
+
+def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static: _Static):
+    """Gradients w.r.t. the padded, grouped `q, k, v`."""
+    bq, bk = static.block_q, static.block_kv
+    B, Tp, Hkv, G, K = q.shape
+    n_q, n_kv = Tp // bq, k.shape[1] // bk
+    off_max = jnp.max(q_offset)
+    kv_max = jnp.max(kv_lengths)
+    # D_i = rowsum(dO * O) - dlse_i: the softmax-Jacobian term; dlse enters as p * dlse.
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
+
+    def kv_block(j, carry):
+        dq, dk, dv = carry
+        k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
+        v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+        k_pos = j * bk + jnp.arange(bk)
+
+        def q_block(i, acc):
+            dq, dk_j, dv_j = acc
+            q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
+            do_i = jax.lax.dynamic_slice_in_dim(do, i * bq, bq, axis=1)
+            lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=1)
+            delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=1)
+            q_pos = q_offset[:, None] + i * bq + jnp.arange(bq)
+            s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
+            s = s * static.scale
+            mask = _tile_mask(q_pos, k_pos, kv_lengths, static.causal)
+            lse_t = jnp.transpose(lse_i, (0, 2, 3, 1))[..., None]
+            p = jnp.where(mask, jnp.exp(s - lse_t), 0.0)
+            dv_j = dv_j + jnp.einsum(
+                "bhgqs,bqhgk->bshk", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32
+            )
+            dp = jnp.einsum("bqhgk,bshk->bhgqs", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = p * (dp - jnp.transpose(delta_i, (0, 2, 3, 1))[..., None]) * static.scale
+            dk_j = dk_j + jnp.einsum(
+                "bhgqs,bqhgk->bshk", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32
+            )
+            dq_i = jnp.einsum("bhgqs,bshk->bqhgk", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
+            dq_i = dq_i + jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=1)
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, axis=1)
+            return dq, dk_j, dv_j
+
+        lo = jnp.clip((j * bk - off_max) // bq, 0, n_q) if static.causal else 0
+        lo = jnp.where(j * bk >= kv_max, n_q, lo)
+        zeros = jnp.zeros((B, bk, Hkv, K), jnp.float32)
+        dq, dk_j, dv_j = jax.lax.fori_loop(lo, n_q, q_block, (dq, zeros, zeros))
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, axis=1)
+        return dq, dk, dv
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(0, n_kv, kv_block, (dq, dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@eqx.filter_custom_vjp
+def _flash(qkv, kv_lengths, q_offset, static):
+    q, k, v = qkv
+    return _forward(q, k, v, kv_lengths, q_offset, static)
+
+
+@_flash.def_fwd
+def _flash_fwd(perturbed, qkv, kv_lengths, q_offset, static):
+    q, k, v = qkv
+    o, lse = _forward(q, k, v, kv_lengths, q_offset, static)
+    return (o, lse), (o, lse)
+
+
+@_flash.def_bwd
+def _flash_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_offset, static):
+    q, k, v = qkv
+    o, lse = residuals
+    do, dlse = grads
+    do = jnp.zeros_like(o) if do is None else do
+    dlse = jnp.zeros_like(lse) if dlse is None else dlse
+    return _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static)
+
+
+def flash_attention(
+    q: Float[Array, "batch q_seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "batch kv_seq kv_heads head_dim"],
+    *,
+    kv_lengths: Int[Array, " batch"] | None = None,
+    q_offset: int | Int[Array, " batch"] = 0,
+    causal: bool = True,
+    block_q: int = 512,
+    block_kv: int = 512,
+    scale: float | None = None,
+) -> tuple[Float[Array, "batch q_seq heads head_dim"], Float[Array, "batch q_seq heads"]]:
+    """Blockwise attention with an online softmax and a recomputing backward.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: queries, keys and values; `heads` must be a multiple of `kv_heads`.
+    - `kv_lengths`: number of valid keys per sequence (default: all `kv_seq`).
+    - `q_offset`: position of the first query per sequence (scalar or `[batch]`).
+    - `causal`: whether key `j` is hidden from queries at positions `< j`.
+    - `block_q`, `block_kv`: tile sizes (clipped to the sequence lengths; any
+      length works, the last block is padded and masked).
+    - `scale`: score scale, default `1/sqrt(head_dim)`.
+
+    **Returns:** the attention output (dtype of `q`) and the float32 log-sum-exp of
+    each query's scores (`-inf` for a query that sees no key). Both are
+    differentiable.
+    """
+    B, T, H, K = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"query heads {H} are not a multiple of key/value heads {Hkv}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != K:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    bq, bk = min(block_q, T), min(block_kv, S)
+    static = _Static(causal, bq, bk, float(K**-0.5 if scale is None else scale))
+    kv_lengths = jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.minimum(kv_lengths, S)
+    q_offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
+    Tp, Sp = _cdiv(T, bq) * bq, _cdiv(S, bk) * bk
+    q5 = _pad_axis(q, Tp, 1).reshape(B, Tp, Hkv, H // Hkv, K)
+    o, lse = _flash((q5, _pad_axis(k, Sp, 1), _pad_axis(v, Sp, 1)), kv_lengths.astype(jnp.int32), q_offset, static)
+    return o.reshape(B, Tp, H, K)[:, :T], lse.reshape(B, Tp, H)[:, :T]

@@ -1,0 +1,24 @@
+"""Model families. `config_from_hf` picks the family from `architectures`."""
+
+from .config import TransformerConfig
+from .qwen3 import Qwen3Config
+from .transformer import CausalLM
+
+FAMILIES: dict[str, type[TransformerConfig]] = {
+    Qwen3Config.architecture: Qwen3Config,
+}
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    """The family config for a parsed HF `config.json`, chosen by `architectures`."""
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in FAMILIES:
+            return FAMILIES[arch].from_hf(hf)
+    raise ValueError(
+        f"unsupported architecture {archs or hf.get('model_type')!r}; "
+        f"supported: {', '.join(sorted(FAMILIES))}"
+    )
+
+
+__all__ = ["CausalLM", "FAMILIES", "Qwen3Config", "TransformerConfig", "config_from_hf"]

@@ -1,0 +1,96 @@
+"""The architecture description shared by every decoder-only family."""
+
+import abc
+import dataclasses
+import json
+import os
+from typing import ClassVar
+
+from ..layers.rope import RopeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(abc.ABC):
+    """What the generic decoder (`eqx_tx.models.transformer.CausalLM`) needs to know.
+
+    Each family subclasses this once (frozen), maps its HF `config.json` onto these
+    fields in `from_hf`, and writes it back in `to_hf`.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    architecture: ClassVar[str]
+    model_type: ClassVar[str]
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    @abc.abstractmethod
+    def from_hf(cls, hf: dict) -> "TransformerConfig":
+        """Build from a parsed HF `config.json`."""
+
+    @abc.abstractmethod
+    def to_hf(self) -> dict:
+        """The HF `config.json` dict (transformers can build the model from it)."""
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict:
+    """Parse `directory/config.json` with a clear error if it is missing or invalid."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {directory}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def require(hf: dict, key: str, where: str = "config.json"):
+    """`hf[key]`, or an error naming the missing key."""
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"{where}: missing required field {key!r}")
+    return hf[key]
+
+
+def eos_from_hf(value) -> int | tuple[int, ...] | None:
+    if value is None or isinstance(value, int):
+        return value
+    return tuple(value)

@@ -1,0 +1,133 @@
+"""The generic decoder-only causal LM that every family instantiates.
+
+The pytree mirrors Hugging Face's module tree (`model.embed_tokens`,
+`model.layers`, `model.norm`, `lm_head`), so a parameter's path is its HF key, with
+the layer index inserted for the stacked `model.layers`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..compute import ComputeConfig
+from ..layers.attention import Attention, AttentionMask
+from ..layers.block import DecoderBlock, run_stack
+from ..layers.kv_cache import KVCache
+from ..layers.linear import Embedding, Linear
+from ..layers.mlp import GatedMLP
+from ..layers.norm import RMSNorm
+from ..layers.rope import rope_cos_sin
+from .config import TransformerConfig
+
+
+def make_block(config: TransformerConfig, *, dtype, key: PRNGKeyArray) -> DecoderBlock:
+    """One decoder block of `config`'s architecture."""
+    k_attn, k_mlp = jax.random.split(key)
+    c = config
+    return DecoderBlock(
+        input_layernorm=RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype),
+        self_attn=Attention(
+            hidden_size=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            qk_norm=c.qk_norm,
+            qkv_bias=c.qkv_bias,
+            o_bias=c.o_bias,
+            norm_eps=c.rms_norm_eps,
+            dtype=dtype,
+            key=k_attn,
+        ),
+        post_attention_layernorm=RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype),
+        mlp=GatedMLP(c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, dtype=dtype, key=k_mlp),
+    )
+
+
+class Decoder(eqx.Module):
+    """Embedding, the stacked blocks (every array has a leading layer axis), final norm."""
+
+    embed_tokens: Embedding
+    layers: DecoderBlock
+    norm: RMSNorm
+
+    def __init__(self, config: TransformerConfig, *, dtype, key: PRNGKeyArray):
+        k_embed, k_layers = jax.random.split(key)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, key=k_embed)
+        keys = jax.random.split(k_layers, config.num_hidden_layers)
+        self.layers = eqx.filter_vmap(lambda k: make_block(config, dtype=dtype, key=k))(keys)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+
+class CausalLM(eqx.Module):
+    """A decoder-only language model: `model` (the `Decoder`) and an optional `lm_head`."""
+
+    model: Decoder
+    lm_head: Linear | None
+    config: TransformerConfig = eqx.field(static=True)
+
+    def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
+        """Random initialisation (normal, std 0.02; norms at 1).
+
+        For large configs build the structure with `eqx.filter_eval_shape` (as the
+        loader does) or under `jax.jit` with output shardings (`eqx_tx.init_model`),
+        never eagerly.
+        """
+        k_model, k_head = jax.random.split(key)
+        self.config = config
+        self.model = Decoder(config, dtype=dtype, key=k_model)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype, key=k_head)
+        )
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.dtype
+
+    def head_weight(self) -> Float[Array, "vocab embed"]:
+        """The LM head matrix (the embedding table when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        *,
+        positions: Int[Array, "batch seq"],
+        mask: AttentionMask,
+        compute: ComputeConfig,
+        cache: KVCache | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+        """Final-norm hidden states of every position (no LM head).
+
+        **Arguments:**
+
+        - `input_ids`: token ids.
+        - `positions`: position of each token (RoPE angle and cache slot).
+        - `mask`: which keys each query sees.
+        - `compute`: how to run (attention kernel, remat policy).
+        - `cache`: when given, keys/values are written at `positions` and attention
+          reads the whole cache.
+
+        **Returns:** `[batch, seq, embed]` hidden states and the updated cache.
+        """
+        c = self.config
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope)
+        x, cache = run_stack(
+            self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, cache=cache, positions=positions
+        )
+        return self.model.norm(x), cache
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens."""
+        c = self.config
+        return KVCache.zeros(
+            layers=c.num_hidden_layers,
+            batch=batch,
+            max_len=max_len,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype if dtype is None else dtype,
+        )

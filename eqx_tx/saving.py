@@ -1,0 +1,87 @@
+"""Save models as Hugging Face checkpoints (safetensors + config.json), atomically."""
+
+import json
+import math
+import os
+import shutil
+
+import jax
+import numpy as np
+from safetensors.numpy import save_file
+
+from .fileio import atomic_directory
+from .hf_params import hf_tensors
+from .models import CausalLM
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json")
+
+
+def _dtype_name(dtype) -> str:
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[np.dtype(dtype).name]
+
+
+def save(
+    model: CausalLM,
+    directory: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    copy_files_from: str | os.PathLike | None = None,
+) -> None:
+    """Write `model` as a Hugging Face checkpoint directory.
+
+    Tensors are written per layer (never the whole model on the host at once) into
+    `model.safetensors`, or into `model-0000i-of-0000n.safetensors` with
+    `model.safetensors.index.json` above `max_shard_bytes`. The directory is
+    replaced atomically: a crash mid-save leaves the previous checkpoint intact.
+
+    **Arguments:**
+
+    - `model`: the model (its arrays may be sharded on any mesh).
+    - `directory`: where to write; replaced if it exists.
+    - `max_shard_bytes`: the size above which tensors go to several files.
+    - `copy_files_from`: a checkpoint directory whose tokenizer files are copied along.
+    """
+    specs = list(hf_tensors(model))
+    entries = []  # (hf name, spec, layer index or None, bytes)
+    for spec in specs:
+        arr = spec.get(model)
+        nbytes = math.prod(spec.layer_shape) * np.dtype(arr.dtype).itemsize
+        for i, name in enumerate(spec.hf_names()):
+            entries.append((name, spec, i if spec.stacked else None, nbytes))
+
+    shards, current, size = [], [], 0
+    for entry in entries:
+        if current and size + entry[3] > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += entry[3]
+    shards.append(current)
+
+    hf_config = model.config.to_hf()
+    hf_config["dtype"] = _dtype_name(model.dtype)
+
+    with atomic_directory(directory) as tmp:
+        weight_map = {}
+        for n, shard in enumerate(shards):
+            filename = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name, spec, layer, _ in shard:
+                arr = spec.get(model)
+                part = arr[layer] if layer is not None else arr
+                tensors[name] = np.ascontiguousarray(spec.to_hf(np.asarray(jax.device_get(part))))
+                weight_map[name] = filename
+            save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
+        if len(shards) > 1:
+            total = sum(e[3] for e in entries)
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        if copy_files_from is not None:
+            for name in TOKENIZER_FILES:
+                src = os.path.join(copy_files_from, name)
+                if os.path.isfile(src):
+                    shutil.copy(src, os.path.join(tmp, name))

@@ -1,0 +1,220 @@
+"""One table of sharding rules and the one place the device mesh is built.
+
+Every weight declares the *logical* name of each of its axes next to its shape
+(see `eqx_tx.layers.linear.Linear.axes`); activations are constrained with logical
+names too. `RULES` maps logical names to mesh axes, and `logical_to_spec` turns a
+tuple of logical names into a `PartitionSpec`, refusing two logical axes on one
+mesh axis and leaving a dimension unsharded (logged once) when it does not divide.
+
+The mesh has the axes `("dp", "sp", "tp")`: data parallel, sequence/context
+parallel, tensor parallel. Functions that run the model pick the mesh up from
+JAX's context (`jax.set_mesh`), so the model itself holds only arrays.
+"""
+
+import abc
+import contextlib
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from ._log import log_once
+
+MESH_AXES = ("dp", "sp", "tp")
+
+MeshAxes = str | tuple[str, ...] | None
+
+# logical axis -> mesh axis (or axes). Names not listed are replicated.
+RULES: Mapping[str, MeshAxes] = {
+    # weights (Megatron layout: column-parallel in, row-parallel out)
+    "layers": None,
+    "vocab": "tp",
+    "embed": None,
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "mlp": "tp",
+    "norm": None,
+    "lora_rank": None,
+    # activations
+    "batch": "dp",
+    "seq": "sp",
+    "act_embed": None,
+    "act_heads": "tp",
+    "act_kv_heads": "tp",
+    "act_mlp": "tp",
+    "act_vocab": "tp",
+    "cache_batch": "dp",
+    "cache_seq": None,
+    "cache_kv_heads": "tp",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """The logical axis names of one array (a pytree leaf)."""
+
+    names: tuple[str | None, ...]
+
+
+def make_mesh(
+    *, dp: int = -1, sp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """Build the `("dp", "sp", "tp")` device mesh.
+
+    **Arguments:**
+
+    - `dp`, `sp`, `tp`: sizes of the three axes; `dp=-1` takes all remaining devices.
+    - `devices`: the devices to use (default: `jax.devices()`). Consecutive devices go
+      to `tp` first, so a tensor-parallel group stays inside a host.
+
+    **Returns:** a `jax.sharding.Mesh` with automatic (GSPMD) axis types.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if dp == -1:
+        if n % (sp * tp):
+            raise ValueError(f"{n} devices are not divisible by sp*tp = {sp}*{tp}")
+        dp = n // (sp * tp)
+    if dp * sp * tp != n:
+        raise ValueError(f"mesh dp*sp*tp = {dp}*{sp}*{tp} = {dp * sp * tp} != {n} devices")
+    grid = np.asarray(devices, dtype=object).reshape(dp, sp, tp)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _axis_size(mesh, mesh_axes: MeshAxes) -> int:
+    if mesh_axes is None:
+        return 1
+    names = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int],
+    mesh,
+    rules: Mapping[str, MeshAxes] = RULES,
+) -> P:
+    """Resolve logical axis names to a `PartitionSpec` on `mesh`.
+
+    A dimension whose size does not divide by its mesh axes is left unsharded
+    (logged once); two dimensions mapped to the same mesh axis is an error.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(names, shape):
+        mesh_axes = rules.get(name) if name is not None else None
+        if isinstance(mesh_axes, str):
+            mesh_axes = (mesh_axes,)
+        if mesh_axes is not None:
+            mesh_axes = tuple(a for a in mesh_axes if a in mesh.shape and mesh.shape[a] > 1)
+        if not mesh_axes:
+            spec.append(None)
+            continue
+        if used.intersection(mesh_axes):
+            raise ValueError(
+                f"logical axes {tuple(names)}: mesh axis {mesh_axes} used twice in one array"
+            )
+        n = _axis_size(mesh, mesh_axes)
+        if size % n:
+            log_once(
+                f"sharding: '{name}' of size {size} does not divide over mesh axes "
+                f"{mesh_axes} (size {n}); it stays replicated"
+            )
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return P(*spec)
+
+
+class HasAxes(eqx.Module):
+    """A module owning parameter arrays, each with declared logical axes."""
+
+    @abc.abstractmethod
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """Map each array field's name to its logical axes (without a layer axis)."""
+
+
+def logical_axes(tree) -> object:
+    """Replace every array in `tree` with its `Axes`.
+
+    Arrays with more dimensions than their module declares get `"layers"` for each
+    extra leading dimension (the stacked, scanned decoder blocks).
+    """
+
+    def visit(node):
+        if not isinstance(node, HasAxes):
+            if eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct):
+                raise ValueError(f"array of shape {node.shape} is not owned by a HasAxes module")
+            return node
+        declared = node.param_axes()
+        fields = [k for k, v in declared.items() if getattr(node, k) is not None]
+        if not fields:
+            return node
+        leaves = []
+        for k in fields:
+            arr = getattr(node, k)
+            extra = arr.ndim - len(declared[k])
+            if extra < 0:
+                raise ValueError(f"{type(node).__name__}.{k}: shape {arr.shape} vs axes {declared[k]}")
+            leaves.append(Axes(("layers",) * extra + tuple(declared[k])))
+        return eqx.tree_at(lambda m: [getattr(m, k) for k in fields], node, leaves)
+
+    return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, HasAxes))
+
+
+def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES):
+    """The `NamedSharding` of every array in `tree` (arrays or `ShapeDtypeStruct`s)."""
+    axes = logical_axes(tree)
+    return jax.tree.map(
+        lambda ax, x: NamedSharding(mesh, logical_to_spec(ax.names, x.shape, mesh, rules)),
+        axes,
+        tree,
+        is_leaf=lambda x: isinstance(x, Axes),
+    )
+
+
+def shard(tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES):
+    """Place every array of `tree` on `mesh` as the rules say."""
+    arrays, static = eqx.partition(tree, eqx.is_array)
+    shardings = tree_shardings(arrays, mesh, rules)
+    return eqx.combine(jax.device_put(arrays, shardings), static)
+
+
+def current_mesh():
+    """The mesh set with `jax.set_mesh`, or `None` outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES):
+    """`with_sharding_constraint` by logical names; a no-op outside a mesh."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    spec = logical_to_spec(names, x.shape, mesh, rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the arrays of `tree` live on (`None` if they are not on a named mesh)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    return None
+
+
+def mesh_context(tree):
+    """A context setting the mesh `tree`'s arrays live on (no-op if none, or already set)."""
+    mesh = mesh_of(tree)
+    if mesh is None or current_mesh() is not None:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
