@@ -4,6 +4,8 @@
 training (`eqx_tx.token_logprobs`) and sampling (`eqx_tx.generate`) never call it.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,7 @@ def positions_for(batch: int, seq_len: int) -> Int[Array, "batch seq"]:
     return jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
 
 
-@eqx.filter_jit
+@functools.partial(jax.jit, static_argnames="compute")
 def _logits(model: CausalLM, input_ids, lengths, compute: ComputeConfig):
     B, T = input_ids.shape
     hidden, _ = model.hidden_states(

@@ -54,15 +54,7 @@ class Linear(HasAxes):
         self.axes = tuple(axes)
 
     def param_axes(self):
-        return {"weight": self.axes, "bias": self.axes[: self.weight.ndim - self.in_ndim]}
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return self.weight.shape[: self.weight.ndim - self.in_ndim]
-
-    @property
-    def in_shape(self) -> tuple[int, ...]:
-        return self.weight.shape[self.weight.ndim - self.in_ndim :]
+        return {"weight": self.axes, "bias": self.axes[: len(self.axes) - self.in_ndim]}
 
     def __call__(self, x: Float[Array, "..."]) -> Float[Array, "..."]:
         """**Arguments:** `x`, whose trailing dimensions are `in_shape`.

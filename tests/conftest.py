@@ -1,0 +1,28 @@
+"""Test setup: 8 fake CPU devices, float32 matmuls, tiny HF checkpoints built locally."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from tests.hf_utils import CONFIGS, make_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> directory of a tiny random HF Qwen3 checkpoint (see `CONFIGS`)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make_hf_checkpoint(root / name, **kw) for name, kw in CONFIGS.items()}
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def checkpoint(request, checkpoints):
+    """Each tiny checkpoint in turn: (name, directory)."""
+    return request.param, checkpoints[request.param]

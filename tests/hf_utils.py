@@ -1,0 +1,63 @@
+"""Tiny random Hugging Face checkpoints and their PyTorch outputs (the oracle)."""
+
+import numpy as np
+import torch
+
+torch.manual_seed(0)
+
+# Small configs that cover MHA and GQA, tied and untied embeddings, head_dim !=
+# hidden/heads, odd vocab sizes and attention biases.
+CONFIGS = {
+    "mha_tied": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, head_dim=8, tie_word_embeddings=True),
+    "gqa_untied": dict(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    "gqa4_bias": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                      attention_bias=True, rope_theta=1000.0),
+}
+
+# Divides over tp = 2, 4, 8 (kv heads over 2 and 4 only): used by the sharding tests.
+TP_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)
+
+
+def make_hf_checkpoint(directory, *, seed: int = 0, dtype=torch.float32, **config):
+    """Save a randomly initialised `Qwen3ForCausalLM` with `save_pretrained`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**config)
+    model = Qwen3ForCausalLM(cfg).to(dtype)
+    with torch.no_grad():  # HF init leaves norms at 1 and biases at 0: perturb them too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
+def hf_model(directory):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_logits(directory_or_model, input_ids, attention_mask=None) -> np.ndarray:
+    model = hf_model(directory_or_model) if isinstance(directory_or_model, str) else directory_or_model
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    mask = None if attention_mask is None else torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float().numpy()
+
+
+def ragged_batch(vocab_size: int, lengths, seed: int = 0):
+    """Right-padded random ids and 0/1 mask for sequences of `lengths`."""
+    rng = np.random.default_rng(seed)
+    T = max(lengths)
+    ids = rng.integers(0, vocab_size, size=(len(lengths), T))
+    mask = (np.arange(T)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+    ids = np.where(mask == 1, ids, 0)
+    return ids.astype(np.int32), mask
