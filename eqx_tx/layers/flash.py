@@ -76,10 +76,13 @@ def _forward(q, k, v, kv_lengths, q_offset, static: _Static):
         def kv_block(j, acc):
             o, m, l = acc
             k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
+            k_pos = j * bk + jnp.arange(bk)
+            # Zero values past each sequence's end: stale cache slots may hold anything.
             v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+            v_j = jnp.where((k_pos[None, :] < kv_lengths[:, None])[:, :, None, None], v_j, 0)
             s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
-            mask = _tile_mask(q_pos, j * bk + jnp.arange(bk), kv_lengths, static.causal)
+            mask = _tile_mask(q_pos, k_pos, kv_lengths, static.causal)
             s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
