@@ -25,12 +25,13 @@ def lengths_from_mask(attention_mask, seq_len: int, batch: int) -> Int[Array, " 
         return jnp.full((batch,), seq_len, jnp.int32)
     if attention_mask.shape != (batch, seq_len):
         raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape {(batch, seq_len)}")
-    lengths = jnp.sum(jnp.asarray(attention_mask) != 0, axis=-1).astype(jnp.int32)
-    if not isinstance(attention_mask, jax.core.Tracer):
-        m = np.asarray(attention_mask) != 0
-        if not np.array_equal(m, np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]):
-            raise ValueError("attention_mask must be right-padded: ones, then zeros, in every row")
-    return lengths
+    if isinstance(attention_mask, jax.core.Tracer):
+        return jnp.sum(attention_mask != 0, axis=-1).astype(jnp.int32)
+    m = np.asarray(attention_mask) != 0
+    lengths = m.sum(axis=-1)
+    if not np.array_equal(m, np.arange(seq_len)[None, :] < lengths[:, None]):
+        raise ValueError("attention_mask must be right-padded: ones, then zeros, in every row")
+    return jnp.asarray(lengths, jnp.int32)
 
 
 def positions_for(batch: int, seq_len: int) -> Int[Array, "batch seq"]:

@@ -133,29 +133,37 @@ def load(
     if unexpected:
         raise KeyError(f"{directory}: checkpoint has {len(unexpected)} unexpected tensor(s): {_short(unexpected)}")
 
-    handles = {path: safe_open(path, framework="flax") for path in sorted(set(files.values()))}
-    for spec in specs:
-        for name in spec.hf_names():
-            found = tuple(handles[files[name]].get_slice(name).get_shape())
-            if found != spec.hf_shape:
-                raise ValueError(
-                    f"{directory}: tensor {name} has shape {found}, expected {spec.hf_shape} "
-                    f"(from config.json)"
-                )
-
     if mesh is None:
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
     else:
         shardings = tree_shardings(abstract, mesh, rules)
+    arrays = read_arrays(specs, files, shardings, dtype, where=directory, progress=progress)
+    return eqx.tree_at(lambda m: [s.get(m) for s in specs], abstract, [arrays[s.path] for s in specs])
+
+
+def read_arrays(specs, files: dict[str, str], shardings, dtype, *, where: str, prefix: str = "", progress=False):
+    """Read each `HFTensor` of `specs` into a device array laid out by `shardings`.
+
+    Shapes are checked against the files first; then every device reads only the
+    slice it holds. `files` maps (prefixed) tensor names to safetensors paths.
+    """
+    handles = {path: safe_open(path, framework="flax") for path in sorted(set(files.values()))}
+    for spec in specs:
+        for name in spec.hf_names():
+            found = tuple(handles[files[prefix + name]].get_slice(prefix + name).get_shape())
+            if found != spec.hf_shape:
+                raise ValueError(
+                    f"{where}: tensor {prefix + name} has shape {found}, expected {spec.hf_shape} "
+                    f"(from config.json)"
+                )
     host = _host_device()
 
     def get_hf_slice(name, hf_index):
         with jax.default_device(host):
-            return np.asarray(handles[files[name]].get_slice(name)[hf_index])
+            return np.asarray(handles[files[prefix + name]].get_slice(prefix + name)[hf_index])
 
-    leaves = {}
+    arrays = {}
     for spec in tqdm(specs, desc="loading", disable=not progress, leave=False):
-        sharding = spec.get(shardings)
         cache: dict = {}
 
         def callback(index, spec=spec, cache=cache):
@@ -164,10 +172,9 @@ def load(
                 cache[key] = spec.read(get_hf_slice, tuple(slice(*k) for k in key)).astype(dtype)
             return cache[key]
 
-        leaves[spec.path] = jax.make_array_from_callback(spec.shape, sharding, callback)
+        arrays[spec.path] = jax.make_array_from_callback(spec.shape, spec.get(shardings), callback)
     handles.clear()
-
-    return eqx.tree_at(lambda m: [s.get(m) for s in specs], abstract, [leaves[s.path] for s in specs])
+    return arrays
 
 
 def _host_device():

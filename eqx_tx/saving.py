@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -11,11 +12,20 @@ from safetensors.numpy import save_file
 
 from .fileio import atomic_directory
 from .hf_params import hf_tensors
+from .layers.lora import has_lora
 from .models import CausalLM
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "generation_config.json")
+
+
+def tokenizer_files(directory: str | os.PathLike | None) -> dict[str, str]:
+    """The tokenizer and generation files of a checkpoint directory, for `extra_files`."""
+    if directory is None:
+        return {}
+    paths = {name: os.path.join(directory, name) for name in TOKENIZER_FILES}
+    return {name: path for name, path in paths.items() if os.path.isfile(path)}
 
 
 def _dtype_name(dtype) -> str:
@@ -27,7 +37,7 @@ def save(
     directory: str | os.PathLike,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    copy_files_from: str | os.PathLike | None = None,
+    extra_files: Mapping[str, str | os.PathLike] | None = None,
 ) -> None:
     """Write `model` as a Hugging Face checkpoint directory.
 
@@ -41,8 +51,11 @@ def save(
     - `model`: the model (its arrays may be sharded on any mesh).
     - `directory`: where to write; replaced if it exists.
     - `max_shard_bytes`: the size above which tensors go to several files.
-    - `copy_files_from`: a checkpoint directory whose tokenizer files are copied along.
+    - `extra_files`: files to copy in, `{name in the checkpoint: source path}`
+      (e.g. the tokenizer, see `tokenizer_files`).
     """
+    if has_lora(model):
+        raise ValueError("model has LoRA adapters: save them with eqx_tx.save_adapter, or merge_lora(model) first")
     specs = list(hf_tensors(model))
     entries = []  # (hf name, spec, layer index or None, bytes)
     for spec in specs:
@@ -80,8 +93,5 @@ def save(
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
-        if copy_files_from is not None:
-            for name in TOKENIZER_FILES:
-                src = os.path.join(copy_files_from, name)
-                if os.path.isfile(src):
-                    shutil.copy(src, os.path.join(tmp, name))
+        for name, src in (extra_files or {}).items():
+            shutil.copy(src, os.path.join(tmp, name))

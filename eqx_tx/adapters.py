@@ -1,0 +1,93 @@
+"""LoRA adapters on disk in PEFT's layout (`adapter_model.safetensors`, `adapter_config.json`)."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from .fileio import atomic_directory
+from .hf_params import hf_tensors
+from .layers.lora import apply_lora, lora_settings
+from .loading import read_arrays
+from .sharding import RULES, mesh_of, tree_shardings
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapter_specs(model):
+    return [s for s in hf_tensors(model) if ".lora_A." in s.name or ".lora_B." in s.name]
+
+
+def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
+    """Write `model`'s LoRA adapters as a PEFT adapter directory, atomically.
+
+    Loadable with `peft.PeftModel.from_pretrained(base, directory)`.
+    """
+    settings = lora_settings(model)
+    tensors = {}
+    for spec in _adapter_specs(model):
+        arr = np.asarray(jax.device_get(spec.get(model)))
+        for i, name in enumerate(spec.hf_names()):
+            tensors[PEFT_PREFIX + name] = np.ascontiguousarray(spec.to_hf(arr[i] if spec.stacked else arr))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": settings["rank"],
+        "lora_alpha": settings["alpha"],
+        "target_modules": sorted(settings["targets"]),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path,
+    }
+    with atomic_directory(directory) as tmp:
+        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
+
+
+def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32):
+    """Attach the PEFT LoRA adapter in `directory` to `model` (sharded like the model)."""
+    directory = os.fspath(directory)
+    config_path = os.path.join(directory, ADAPTER_CONFIG)
+    weights_path = os.path.join(directory, ADAPTER_WEIGHTS)
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory} is not a PEFT adapter: {os.path.basename(path)} missing")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{config_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("fan_in_fan_out"):
+        raise ValueError(f"{config_path}: DoRA, rsLoRA and fan_in_fan_out adapters are not supported")
+    targets = cfg["target_modules"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    with_lora = apply_lora(model, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=targets,
+                           dtype=dtype, key=jax.random.key(0))
+    specs = _adapter_specs(with_lora)
+    with safe_open(weights_path, framework="flax") as f:
+        names = set(f.keys())
+    expected = {PEFT_PREFIX + n for s in specs for n in s.hf_names()}
+    if names != expected:
+        missing, extra = sorted(expected - names), sorted(names - expected)
+        raise KeyError(f"{weights_path}: missing {missing[:5]}, unexpected {extra[:5]}")
+    mesh = mesh_of(model)
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), with_lora)
+    else:
+        shardings = tree_shardings(eqx.filter(with_lora, eqx.is_array), mesh, RULES)
+    arrays = read_arrays(specs, {n: weights_path for n in names}, shardings, dtype, where=directory, prefix=PEFT_PREFIX)
+    return eqx.tree_at(lambda m: [s.get(m) for s in specs], with_lora, [arrays[s.path] for s in specs])

@@ -1,0 +1,186 @@
+"""Token log-probabilities through a chunked LM head, never materialising full logits.
+
+The final hidden states are split along the sequence into chunks of about
+`chunk_size` tokens (`[batch, chunk_size // batch, embed]`, so the batch axis and
+its data-parallel sharding are untouched). Each chunk's logits are computed, reduced
+to the target log-probability and dropped. A custom VJP recomputes each chunk's
+logits in the backward pass and accumulates the head-weight gradient chunk by chunk,
+so neither pass holds more than one `[chunk, vocab]` float32 tile.
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .compute import ComputeConfig
+from .forward import lengths_from_mask, positions_for
+from .layers.attention import AttentionMask
+from .models import CausalLM
+from .sharding import constrain
+
+DEFAULT_CHUNK_SIZE = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunking:
+    positions: int  # sequence positions per chunk
+    num_chunks: int
+
+
+def _chunk_logits(h_bcd, weight_vd):
+    logits = jnp.einsum("bcd,vd->bcv", h_bcd, weight_vd, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", None, "act_vocab"))
+
+
+def _target_logit(logits_bcv, targets_bc):
+    # A compare against an iota instead of a gather keeps the vocab axis sharded.
+    hit = jnp.arange(logits_bcv.shape[-1])[None, None, :] == targets_bc[..., None]
+    return jnp.sum(jnp.where(hit, logits_bcv, 0.0), axis=-1), hit
+
+
+def _forward(hidden, weight, targets, chunking: _Chunking):
+    c = chunking.positions
+
+    def chunk(i, carry):
+        logp, lse = carry
+        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=1)
+        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=1)
+        logits = _chunk_logits(h, weight)
+        lse_c = jax.nn.logsumexp(logits, axis=-1)
+        tgt, _ = _target_logit(logits, t)
+        logp = jax.lax.dynamic_update_slice_in_dim(logp, tgt - lse_c, i * c, axis=1)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * c, axis=1)
+        return logp, lse
+
+    shape = targets.shape
+    init = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    return jax.lax.fori_loop(0, chunking.num_chunks, chunk, init)
+
+
+@eqx.filter_custom_vjp
+def _chunked_logprobs(hidden_weight, targets, chunking):
+    hidden, weight = hidden_weight
+    return _forward(hidden, weight, targets, chunking)[0]
+
+
+@_chunked_logprobs.def_fwd
+def _chunked_logprobs_fwd(perturbed, hidden_weight, targets, chunking):
+    hidden, weight = hidden_weight
+    logp, lse = _forward(hidden, weight, targets, chunking)
+    return logp, lse
+
+
+@_chunked_logprobs.def_bwd
+def _chunked_logprobs_bwd(lse, g, perturbed, hidden_weight, targets, chunking):
+    hidden, weight = hidden_weight
+    c = chunking.positions
+
+    def chunk(i, carry):
+        d_hidden, d_weight = carry
+        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=1)
+        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=1)
+        g_c = jax.lax.dynamic_slice_in_dim(g, i * c, c, axis=1)
+        lse_c = jax.lax.dynamic_slice_in_dim(lse, i * c, c, axis=1)
+        logits = _chunk_logits(h, weight)
+        _, hit = _target_logit(logits, t)
+        # d logp / d logits = onehot(target) - softmax(logits)
+        d_logits = g_c[..., None] * (hit.astype(jnp.float32) - jnp.exp(logits - lse_c[..., None]))
+        d_h = jnp.einsum("bcv,vd->bcd", d_logits.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=1)
+        d_weight = d_weight + jnp.einsum(
+            "bcv,bcd->vd", d_logits.astype(hidden.dtype), h, preferred_element_type=jnp.float32
+        )
+        return d_hidden, d_weight
+
+    init = (jnp.zeros(hidden.shape, hidden.dtype), jnp.zeros(weight.shape, jnp.float32))
+    d_hidden, d_weight = jax.lax.fori_loop(0, chunking.num_chunks, chunk, init)
+    return d_hidden, d_weight.astype(weight.dtype)
+
+
+def chunked_logprobs(
+    hidden: Float[Array, "batch seq embed"],
+    weight: Float[Array, "vocab embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Float[Array, "batch seq"]:
+    """`log_softmax(hidden @ weight.T)[target]` per token, in chunks, with a chunked VJP.
+
+    **Arguments:**
+
+    - `hidden`: final (normed) hidden states.
+    - `weight`: the LM head `[vocab, embed]` (may be vocab-sharded, or the tied embedding).
+    - `targets`: target token ids.
+    - `chunk_size`: tokens per chunk; a chunk spans `max(1, chunk_size // batch)`
+      positions of every sequence. The last chunk is padded when it does not divide.
+
+    **Returns:** float32 log-probabilities `[batch, seq]`.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    B, T, _ = hidden.shape
+    positions = min(T, max(1, chunk_size // B))
+    n = -(-T // positions)
+    pad = n * positions - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    logp = _chunked_logprobs((hidden, weight), targets.astype(jnp.int32), _Chunking(positions, n))
+    return logp[:, :T]
+
+
+def token_logprobs(
+    model: CausalLM,
+    input_ids: Int[Array, "batch seq"],
+    target_ids: Int[Array, "batch seq"],
+    *,
+    attention_mask: Int[Array, "batch seq"] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compute: ComputeConfig = ComputeConfig(),
+) -> Float[Array, "batch seq"]:
+    """Log-probability of `target_ids[b, t]` given `input_ids[b, :t+1]`, float32.
+
+    Differentiable; neither the forward nor the backward pass materialises
+    `[batch, seq, vocab]` logits (see `chunked_logprobs`).
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `input_ids`: the inputs.
+    - `target_ids`: the token to score at each position (usually inputs shifted by one).
+    - `attention_mask`: right-padded 0/1 mask (default: no padding).
+    - `chunk_size`: tokens per LM-head chunk.
+    - `compute`: attention implementation and remat policy.
+
+    **Returns:** `[batch, seq]` log-probabilities (values at padded positions are
+    meaningless; weight them by zero).
+    """
+    B, T = input_ids.shape
+    lengths = lengths_from_mask(attention_mask, T, B)
+    hidden, _ = model.hidden_states(
+        input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0), compute=compute
+    )
+    return chunked_logprobs(hidden, model.head_weight(), target_ids, chunk_size=chunk_size)
+
+
+def weighted_cross_entropy(
+    logprobs: Float[Array, "batch seq"],
+    weights: Float[Array, "batch seq"],
+    *,
+    normalizer: float | Float[Array, ""] | None = None,
+) -> Float[Array, ""]:
+    """`-sum(weights * logprobs) / normalizer`.
+
+    `weights` is a 0/1 loss mask or real-valued per-token weights (e.g. RL
+    advantages, possibly negative). The default `normalizer` is the number of tokens
+    with a non-zero weight (at least 1), so with a 0/1 mask this is the mean token
+    cross entropy; pass a constant to normalise otherwise (e.g. by a fixed token
+    budget, so that every token weighs the same across batches).
+    """
+    weights = weights.astype(jnp.float32)
+    if normalizer is None:
+        normalizer = jnp.maximum(jnp.sum(weights != 0), 1)
+    return -jnp.sum(weights * logprobs) / normalizer

@@ -1,0 +1,235 @@
+"""One jitted, buffer-donating training step: chunked loss, gradients, AdamW.
+
+Parameters are split (`eqx.partition`) into the trainable part and the frozen rest;
+only the trainable part has gradients and optimizer state, so a LoRA run holds no
+optimizer or gradient buffer for the base weights. Gradient accumulation is a
+`lax.scan` over micro-batches inside the step.
+"""
+
+import dataclasses
+import functools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+from .compute import ComputeConfig
+from .layers.linear import Embedding, Linear
+from .layers.lora import lora_filter
+from .loss import DEFAULT_CHUNK_SIZE, chunked_logprobs
+from .forward import positions_for
+from .layers.attention import AttentionMask
+from .models import CausalLM
+from .sharding import constrain, mesh_context
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay, global-norm clipping.
+
+    The learning rate at (0-based) step `s` is `lr * (s + 1) / warmup_steps` during
+    warmup, then decays along a cosine to `lr * min_lr_ratio` at `total_steps`.
+    Weight decay applies to matrices (projections, embeddings, adapters), not to
+    norms or biases.
+    """
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+    def schedule(self, count: Int[Array, ""]) -> Float[Array, ""]:
+        step = jnp.asarray(count, jnp.float32)
+        warm = max(self.warmup_steps, 1)
+        warmup = self.learning_rate * jnp.minimum(1.0, (step + 1) / warm)
+        progress = jnp.clip((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 0.0, 1.0)
+        cosine = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + jnp.cos(math.pi * progress))
+        return jnp.where(step < self.warmup_steps, warmup, self.learning_rate * cosine)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Static settings of `train_step`.
+
+    **Arguments:**
+
+    - `optimizer`: AdamW and schedule settings.
+    - `micro_batches`: split each batch into this many micro-batches, accumulating
+      gradients in float32 (the update equals the full-batch update).
+    - `loss_chunk_size`: tokens per LM-head chunk (see `eqx_tx.loss`).
+    - `compute`: attention implementation, remat policy.
+    """
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    micro_batches: int = 1
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
+    compute: ComputeConfig = ComputeConfig()
+
+
+class Batch(eqx.Module):
+    """A training batch of right-padded sequences.
+
+    `loss_weights` is a 0/1 mask or real-valued per-token weights; the loss is
+    `-sum(weights * logp(target)) / (number of non-zero weights)` over the batch.
+    """
+
+    input_ids: Int[Array, "batch seq"]
+    target_ids: Int[Array, "batch seq"]
+    loss_weights: Float[Array, "batch seq"]
+    lengths: Int[Array, " batch"]
+
+
+class TrainState(eqx.Module):
+    """Trainable parameters, the frozen rest of the model, optimizer state, step."""
+
+    params: CausalLM
+    frozen: CausalLM
+    opt_state: optax.OptState
+    step: Int[Array, ""]
+
+    @property
+    def model(self) -> CausalLM:
+        return eqx.combine(self.params, self.frozen)
+
+
+def decay_mask(params):
+    """`True` on weight matrices (Linear, Embedding), `False` on norms and biases."""
+
+    def mark(node):
+        spec = jax.tree.map(lambda _: False, node)
+        if isinstance(node, (Linear, Embedding)) and node.weight is not None:
+            spec = eqx.tree_at(lambda m: m.weight, spec, True)
+        return spec
+
+    return jax.tree.map(mark, params, is_leaf=lambda x: isinstance(x, (Linear, Embedding)))
+
+
+def make_optimizer(config: OptimizerConfig, params) -> optax.GradientTransformation:
+    parts = []
+    if config.max_grad_norm is not None:
+        parts.append(optax.clip_by_global_norm(config.max_grad_norm))
+    parts.append(
+        optax.adamw(
+            config.schedule,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=decay_mask(params),
+        )
+    )
+    return optax.chain(*parts)
+
+
+def init_train_state(model: CausalLM, config: TrainConfig, *, trainable=None) -> TrainState:
+    """Partition `model` and create the optimizer state.
+
+    **Arguments:**
+
+    - `model`: the model (with adapters attached for LoRA).
+    - `config`: the training settings.
+    - `trainable`: a filter spec of what to train; default: the LoRA adapters if
+      the model has any, else every array.
+    """
+    if trainable is None:
+        spec = lora_filter(model)
+        trainable = spec if any(jax.tree.leaves(spec)) else eqx.is_array
+    params, frozen = eqx.partition(model, trainable)
+    opt_state = make_optimizer(config.optimizer, params).init(params)
+    return TrainState(params=params, frozen=frozen, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+
+
+def _split_micro_batches(batch: Batch, m: int) -> Batch:
+    """`[B, ...] -> [m, B/m, ...]`, micro-batch `i` holding rows `i, i+m, ...`.
+
+    The strided split keeps each device's rows on that device when the batch axis
+    is sharded (the sharded axis stays the second one, not the scanned one).
+    """
+
+    def split(x):
+        B = x.shape[0]
+        return jnp.swapaxes(x.reshape(B // m, m, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _weighted_nll_sum(params, frozen, batch: Batch, config: TrainConfig):
+    model = eqx.combine(params, frozen)
+    B, T = batch.input_ids.shape
+    hidden, _ = model.hidden_states(
+        constrain(batch.input_ids, ("batch", "seq")),
+        positions=positions_for(B, T),
+        mask=AttentionMask(batch.lengths, 0),
+        compute=config.compute,
+    )
+    logp = chunked_logprobs(hidden, model.head_weight(), batch.target_ids, chunk_size=config.loss_chunk_size)
+    return -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp)
+
+
+def _loss_and_grads(params, frozen, batch: Batch, config: TrainConfig):
+    """Sum of weighted NLL over the batch and its gradient (float32), by micro-batch."""
+    grad_fn = jax.value_and_grad(_weighted_nll_sum)
+    m = config.micro_batches
+    if m == 1:
+        loss, grads = grad_fn(params, frozen, batch, config)
+        return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+    def body(carry, micro):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, frozen, micro, config)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), _split_micro_batches(batch, m))
+    return loss, grads
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnames=("params", "opt_state", "step"))
+def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainConfig):
+    """The jitted step: donates the trainable state; the frozen part is only read.
+
+    Not returning `frozen` matters: a returned input that is not donated would be
+    copied, doubling the memory of the frozen base weights in a LoRA run.
+    """
+    count = jnp.maximum(jnp.sum(batch.loss_weights != 0), 1).astype(jnp.float32)
+    loss_sum, grads = _loss_and_grads(params, frozen, batch, config)
+    grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
+    optimizer = make_optimizer(config.optimizer, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {
+        "loss": loss_sum / count,
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": config.optimizer.schedule(step),
+        "tokens": jnp.sum(batch.loss_weights != 0),
+    }
+    return params, opt_state, step + 1, metrics
+
+
+def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[TrainState, dict]:
+    """One optimizer step on `batch`.
+
+    The trainable parameters, optimizer state and step of `state` are donated
+    (their buffers are reused for the new state); the frozen part is not touched.
+
+    **Returns:** the new state and metrics: `loss` (mean weighted token NLL),
+    `grad_norm` (before clipping), `learning_rate` (used for this step), `tokens`
+    (number of weighted tokens).
+    """
+    B = batch.input_ids.shape[0]
+    if B % config.micro_batches:
+        raise ValueError(f"batch size {B} is not divisible by micro_batches={config.micro_batches}")
+    with mesh_context(state):
+        params, opt_state, step, metrics = train_step_jit(
+            state.params, state.opt_state, state.step, state.frozen, batch, config
+        )
+    return TrainState(params=params, frozen=state.frozen, opt_state=opt_state, step=step), metrics
