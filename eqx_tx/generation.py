@@ -1,0 +1,272 @@
+"""KV-cached generation: last-token prefill, then a `lax.while_loop` of decode steps.
+
+- **Prefill** runs the (right-padded, ragged) prompts through the scanned model in
+  chunks of `prefill_chunk_size` positions, writing the cache, and applies the LM
+  head only to each sequence's last real prompt token: no `[batch, seq, vocab]`.
+- **Decode** is one jitted function holding a `lax.while_loop` over new tokens that
+  stops as soon as every sequence has stopped. The cache is donated into both
+  functions and updated in place.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Float, Int
+
+from .compute import ComputeConfig
+from .layers.attention import AttentionMask
+from .layers.kv_cache import KVCache
+from .models import CausalLM
+from .sampling import SamplerArrays, SamplingParams, sample_batch
+from .sharding import constrain, current_mesh, logical_to_spec, mesh_context
+
+STOP_REASONS = ("running", "stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One request's result: new tokens (the stop token included), their
+    log-probabilities under the model, and why it stopped (`"stop"` or `"length"`)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+class DecodeState(eqx.Module):
+    """Everything the decode loop carries between steps."""
+
+    cache: KVCache
+    logits: Float[Array, "batch vocab"]  # next-token logits of each sequence
+    lengths: Int[Array, " batch"]  # tokens in the cache (prompt + generated so far)
+    generated: Int[Array, " batch"]  # new tokens produced so far
+    done: Int[Array, " batch"]  # 0 running, 1 stop token, 2 length limit
+    tokens: Int[Array, "batch max_new"]
+    logprobs: Float[Array, "batch max_new"]
+    step: Int[Array, ""]
+
+
+def _last_token_logits(model: CausalLM, hidden_bd):
+    """LM head on one hidden vector per sequence: `[batch, vocab]`, float32."""
+    logits = jnp.einsum("bd,vd->bv", hidden_bd, model.head_weight(), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "act_vocab"))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "compute"), donate_argnames="cache")
+def prefill(model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, compute: ComputeConfig):
+    """Write the prompts' keys/values into `cache`; return it and each last token's logits.
+
+    **Arguments:**
+
+    - `tokens`: right-padded prompts `[batch, T]`, `T` a multiple of `chunk`.
+    - `lengths`: prompt lengths `[batch]` (>= 1).
+    - `chunk`: positions per prefill step (bounds activation memory).
+
+    **Returns:** the cache and `[batch, vocab]` float32 logits of the token after each prompt.
+    """
+    B, T = tokens.shape
+    n_chunks = T // chunk
+    D = model.config.hidden_size
+
+    def run_chunk(start, cache, last_hidden):
+        ids = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        # q_offset stays the static 0 for the first chunk (cuDNN can run there).
+        mask = AttentionMask(lengths, start if isinstance(start, int) else jnp.broadcast_to(start, (B,)))
+        hidden, cache = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
+        # Keep the hidden state of each sequence's last prompt token if it is in this chunk.
+        idx = jnp.clip(lengths - 1 - start, 0, chunk - 1)
+        here = ((lengths - 1 - start) >= 0) & ((lengths - 1 - start) < chunk)
+        picked = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
+        return cache, jnp.where(here[:, None], picked, last_hidden)
+
+    last = jnp.zeros((B, D), model.dtype)
+    cache, last = run_chunk(0, cache, last)
+    if n_chunks > 1:
+        cache, last = jax.lax.fori_loop(1, n_chunks, lambda i, c: run_chunk(i * chunk, *c), (cache, last))
+    return cache, _last_token_logits(model, last)
+
+
+@functools.partial(jax.jit, static_argnames="compute", donate_argnames="state")
+def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_steps, *, compute: ComputeConfig):
+    """Sample up to `num_steps` tokens per sequence, stopping early when all are done.
+
+    Each step samples from `state.logits`, records the token, marks sequences that
+    hit a stop token or their `max_new_tokens`, and (while any is running) feeds
+    the new tokens through the model at their positions, writing the cache.
+    """
+    B = state.lengths.shape[0]
+    max_new = state.tokens.shape[1]
+    stop_at = state.step + num_steps
+
+    def cond(s: DecodeState):
+        return (s.step < stop_at) & jnp.any(s.done == 0) & (s.step < max_new)
+
+    def body(s: DecodeState):
+        running = s.done == 0
+        token, logp = sample_batch(s.logits, sampler, s.generated)
+        write = jnp.where(running, s.generated, max_new)  # out of range: dropped
+        tokens = s.tokens.at[jnp.arange(B), write].set(token, mode="drop")
+        logprobs = s.logprobs.at[jnp.arange(B), write].set(logp, mode="drop")
+        generated = s.generated + running
+        hit_stop = jnp.any(token[:, None] == sampler.stop_ids, axis=-1)
+        done = jnp.where(running & hit_stop, 1, s.done)
+        done = jnp.where((done == 0) & (generated >= sampler.max_new), 2, done)
+        positions = s.lengths[:, None]
+        hidden, cache = model.hidden_states(
+            token[:, None],
+            positions=positions,
+            mask=AttentionMask(kv_lengths=s.lengths + 1, q_offset=s.lengths),
+            compute=compute,
+            cache=s.cache,
+        )
+        logits = _last_token_logits(model, hidden[:, 0])
+        lengths = s.lengths + running
+        return DecodeState(cache, logits, lengths, generated, done, tokens, logprobs, s.step + 1)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def new_cache(model: CausalLM, batch: int, max_len: int, dtype=None) -> KVCache:
+    """A zero cache created directly in its sharding (kv heads over `tp`, batch over `dp`)."""
+    c = model.config
+    shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+    dtype = jnp.dtype(model.dtype if dtype is None else dtype)
+    mesh = current_mesh()
+    sharding = None
+    if mesh is not None:
+        spec = logical_to_spec(("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim"), shape, mesh)
+        sharding = NamedSharding(mesh, spec)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return KVCache(zeros(), zeros())
+
+
+def _normalise_params(params, n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    return params
+
+
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    prefill_chunk_size: int | None = None,
+    cache_dtype=None,
+    compute: ComputeConfig = ComputeConfig(),
+    stream_every: int | None = None,
+    on_tokens: Callable[[list[list[int]]], None] | None = None,
+) -> list[Generation]:
+    """Sample continuations of a batch of prompts.
+
+    **Arguments:**
+
+    - `model`: the model (possibly sharded; its mesh is used).
+    - `prompts`: token-id lists, of any (different) lengths >= 1.
+    - `params`: one `SamplingParams` for all prompts, or one per prompt.
+    - `prefill_chunk_size`: prefill this many positions at a time (default: all at once).
+    - `cache_dtype`: KV-cache dtype (default: the model's dtype).
+    - `compute`: attention implementation etc.
+    - `stream_every`, `on_tokens`: call `on_tokens(new tokens per sequence)` every
+      `stream_every` decode steps (the decode loop runs in segments between calls).
+
+    **Returns:** one `Generation` per prompt, in order.
+    """
+    config = model.config
+    if not prompts:
+        raise ValueError("no prompts")
+    prompts = [list(map(int, p)) for p in prompts]
+    params = _normalise_params(params, len(prompts))
+    limit = config.max_position_embeddings
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_position_embeddings {limit}")
+        if len(p) + sp.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds "
+                f"max_position_embeddings {limit}"
+            )
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+
+    B = len(prompts)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    longest = int(lengths.max())
+    chunk = prefill_chunk_size or _round_up(longest, 16)
+    T = _round_up(longest, chunk)
+    max_new = max(sp.max_new_tokens for sp in params)
+    max_len = _round_up(int(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))), 16)
+    tokens = np.zeros((B, T), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    sampler = SamplerArrays.from_params(params, config.eos_token_ids, config.vocab_size)
+
+    with mesh_context(model):
+        cache = new_cache(model, B, max_len, cache_dtype)
+        cache, logits = prefill(model, cache, jnp.asarray(tokens), jnp.asarray(lengths), chunk=chunk, compute=compute)
+        state = DecodeState(
+            cache=cache,
+            logits=logits,
+            lengths=jnp.asarray(lengths),
+            generated=jnp.zeros((B,), jnp.int32),
+            done=jnp.zeros((B,), jnp.int32),
+            tokens=jnp.zeros((B, max_new), jnp.int32),
+            logprobs=jnp.zeros((B, max_new), jnp.float32),
+            step=jnp.zeros((), jnp.int32),
+        )
+        segment = stream_every or max_new
+        shown = np.zeros((B,), np.int64)
+        while True:
+            state = decode(model, state, sampler, jnp.asarray(segment, jnp.int32), compute=compute)
+            done = np.asarray(state.done)
+            if on_tokens is not None:
+                generated = np.asarray(state.generated)
+                toks = np.asarray(state.tokens)
+                on_tokens([toks[b, shown[b] : generated[b]].tolist() for b in range(B)])
+                shown = generated.astype(np.int64)
+            if (done != 0).all() or int(state.step) >= max_new:
+                break
+
+    generated = np.asarray(state.generated)
+    toks, logps, done = np.asarray(state.tokens), np.asarray(state.logprobs), np.asarray(state.done)
+    return [
+        Generation(toks[b, : generated[b]].tolist(), logps[b, : generated[b]].tolist(), STOP_REASONS[done[b]])
+        for b in range(B)
+    ]
+
+
+def generate_text(
+    model: CausalLM,
+    tokenizer,
+    prompts: Sequence[str],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    **kwargs,
+) -> list[str]:
+    """`generate` on text: prompts encoded and outputs decoded with a `tokenizers.Tokenizer`
+    (e.g. `Tokenizer.from_file(checkpoint_dir + "/tokenizer.json")`); stop tokens are
+    dropped from the text."""
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    results = generate(model, ids, params, **kwargs)
+    texts = []
+    for r in results:
+        toks = r.tokens[:-1] if r.stop_reason == "stop" else r.tokens
+        texts.append(tokenizer.decode(toks))
+    return texts

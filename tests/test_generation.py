@@ -1,0 +1,191 @@
+"""Generation: HF parity, chunked prefill, sampling statistics, memory, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eqx_tx
+from eqx_tx.generation import DecodeState, decode, generate, prefill
+from eqx_tx.layers.kv_cache import KVCache
+from eqx_tx.loading import abstract_model
+from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_token
+from tests.hf_utils import hf_model
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43], [38, 32, 79, 50, 28]]
+NEW = 33
+
+
+def _hf_greedy(hf, prompt, n):
+    out = hf.generate(torch.as_tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    toks = out.sequences[0, len(prompt):].tolist()
+    logps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
+    return toks, logps
+
+
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_greedy_equals_hf_generate_ragged(checkpoint, attention):
+    _, path = checkpoint
+    model = eqx_tx.load(path, progress=False)
+    compute = eqx_tx.ComputeConfig(attention=attention, block_q=8, block_kv=8)
+    results = generate(model, PROMPTS, SamplingParams(max_new_tokens=NEW), compute=compute)
+    hf = hf_model(path)
+    for prompt, r in zip(PROMPTS, results):
+        toks, logps = _hf_greedy(hf, prompt, NEW)
+        assert r.tokens == toks
+        np.testing.assert_allclose(r.logprobs, logps, atol=1e-4)
+        assert r.stop_reason == "length"
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 11, 64])
+def test_chunked_prefill_gives_the_same_tokens(checkpoints, chunk):
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    params = SamplingParams(max_new_tokens=12)
+    ref = generate(model, PROMPTS, params)
+    out = generate(model, PROMPTS, params, prefill_chunk_size=chunk)
+    for a, b in zip(ref, out):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_stop_tokens_and_per_request_lengths(checkpoints):
+    model = eqx_tx.load(checkpoints["mha_tied"], progress=False)
+    free = generate(model, PROMPTS[:1], SamplingParams(max_new_tokens=10))[0]
+    stop = free.tokens[4]
+    first = free.tokens.index(stop)
+    params = [SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)), SamplingParams(max_new_tokens=3)]
+    a, b = generate(model, [PROMPTS[0], PROMPTS[1]], params)
+    assert a.tokens == free.tokens[: first + 1] and a.stop_reason == "stop"
+    assert len(b.tokens) == 3 and b.stop_reason == "length"
+
+
+def test_sampling_is_deterministic_and_batch_independent(checkpoints):
+    model = eqx_tx.load(checkpoints["gqa4_bias"], progress=False)
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=s) for s in (7, 8, 9)]
+    batch = generate(model, PROMPTS, params)
+    again = generate(model, PROMPTS, params)
+    assert [r.tokens for r in batch] == [r.tokens for r in again]
+    alone = generate(model, [PROMPTS[1]], params[1])[0]
+    assert alone.tokens == batch[1].tokens
+    np.testing.assert_allclose(alone.logprobs, batch[1].logprobs, atol=1e-5)
+    other_seed = generate(model, [PROMPTS[1]], SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=99))
+    assert other_seed[0].tokens != alone.tokens
+    greedy = generate(model, PROMPTS, SamplingParams(max_new_tokens=16))
+    top1 = generate(model, PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1, seed=3))
+    assert [r.tokens for r in greedy] == [r.tokens for r in top1]
+
+
+def _reference_distribution(logits, temperature, top_k, top_p):
+    """Hugging Face's order: temperature, top-k, top-p; renormalised (numpy)."""
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros_like(p, bool)
+    keep[order[: top_k or len(p)]] = True
+    q = np.where(keep, p, 0)
+    q /= q.sum()
+    cum = np.cumsum(q[order]) - q[order]
+    keep2 = np.zeros_like(p, bool)
+    keep2[order[cum < top_p]] = True
+    q = np.where(keep2, q, 0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.5, 4, 1.0), (1.0, 5, 0.6)])
+def test_sampling_matches_reference_distribution(temperature, top_k, top_p):
+    logits = jnp.asarray([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 40_000
+    keys = jax.random.split(jax.random.key(0), n)
+    draws = jax.jit(jax.vmap(lambda k: sample_token(logits, jnp.float32(temperature), jnp.int32(top_k),
+                                                    jnp.float32(top_p), k)))(keys)
+    freq = np.bincount(np.asarray(draws), minlength=8) / n
+    expected = _reference_distribution(np.asarray(logits, np.float64), temperature, top_k, top_p)
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(freq - expected) <= 5 * sigma + 1e-12), (freq, expected)
+    assert np.all(freq[expected == 0] == 0)
+
+
+def test_tp_generation_equals_single_device(checkpoints):
+    path = checkpoints["gqa4_bias"]
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=1)
+    ref = generate(eqx_tx.load(path, progress=False), PROMPTS, params)
+    mesh = eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
+    out = generate(eqx_tx.load(path, mesh=mesh, progress=False), PROMPTS, params)
+    for a, b in zip(ref, out):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def _config(vocab=32768):
+    return eqx_tx.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _abstract_cache(config, B, L):
+    shape = (config.num_hidden_layers, B, L, config.num_key_value_heads, config.head_dim)
+    return KVCache(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def test_prefill_never_holds_full_logits():
+    config = _config()
+    model = abstract_model(config, jnp.float32)
+    B, T = 4, 1024
+    S = jax.ShapeDtypeStruct
+    compiled = prefill.lower(model, _abstract_cache(config, B, T), S((B, T), jnp.int32), S((B,), jnp.int32),
+                             chunk=T, compute=eqx_tx.ComputeConfig()).compile()
+    logits_bytes = B * T * config.vocab_size * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < logits_bytes / 8
+
+
+def test_decode_memory_is_the_cache_updated_in_place():
+    config = _config()
+    model = abstract_model(config, jnp.float32)
+    S = jax.ShapeDtypeStruct
+    V, L = config.vocab_size, config.num_hidden_layers
+    for B, T in [(4, 1024), (4, 4096), (16, 4096)]:
+        cache = _abstract_cache(config, B, T)
+        cache_bytes = 2 * np.prod(cache.k.shape) * 4
+        state = DecodeState(cache, S((B, V), jnp.float32), S((B,), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32),
+                            S((B, 64), jnp.int32), S((B, 64), jnp.float32), S((), jnp.int32))
+        sampler = SamplerArrays.from_params([SamplingParams()] * B, (), V)
+        mem = decode.lower(model, state, sampler, S((), jnp.int32), compute=eqx_tx.ComputeConfig()).compile().memory_analysis()
+        # The whole decode state, cache included, is updated in place (donated and aliased) ...
+        assert mem.alias_size_in_bytes >= cache_bytes
+        # ... and the only cache-dependent scratch is one layer's keys/values, not a second cache.
+        assert mem.temp_size_in_bytes <= cache_bytes / L + 8 * B * V * 4, (B, T, mem.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        ([[]], SamplingParams(), "prompt 0 is empty"),
+        ([], SamplingParams(), "no prompts"),
+        ([[1] * 40000], SamplingParams(), "more than max_position_embeddings 32768"),
+        ([[1, 2]], SamplingParams(max_new_tokens=32767), "exceeds max_position_embeddings 32768"),
+        ([[1, 2, 500]], SamplingParams(), r"token ids outside \[0, 97\)"),
+        ([[1], [2]], [SamplingParams()], "1 sampling params for 2 prompts"),
+        ([[1]], SamplingParams(stop_token_ids=(97,)), "stop token id 97 is outside the vocabulary"),
+    ],
+)
+def test_bad_generation_input(checkpoints, prompts, params, message):
+    model = eqx_tx.load(checkpoints["mha_tied"], progress=False)
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, params)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_k=-2), "top_k must be an int >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

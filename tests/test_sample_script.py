@@ -1,0 +1,57 @@
+"""tools/sample.py: default-model message, prompts, streaming output."""
+
+import importlib.util
+import os
+
+import jax
+import pytest
+
+import eqx_tx
+from eqx_tx.data import TINY_TOKENIZER
+from eqx_tx.presets import preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sample_module():
+    spec = importlib.util.spec_from_file_location("sample_tool", os.path.join(ROOT, "tools", "sample.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny") / "final"
+    model = eqx_tx.init_model(preset("tiny"), key=jax.random.key(0))
+    eqx_tx.save(model, directory, extra_files={"tokenizer.json": TINY_TOKENIZER})
+    return str(directory)
+
+
+def test_default_model_missing_says_how_to_create_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sample = _sample_module()
+    with pytest.raises(FileNotFoundError, match="create it with `python tools/train.py`"):
+        sample.main(sample.Args())
+
+
+def test_samples_several_prompts_and_reports_speed(tiny_dir, tmp_path, capsys):
+    sample = _sample_module()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n\nOne day\n")
+    sample.main(sample.Args(model=tiny_dir, prompts_file=str(prompts), max_new_tokens=12, stream_every=4))
+    out, err = capsys.readouterr()
+    assert "--- [0] (length) Once upon a time" in out and "--- [1] (length) One day" in out
+    assert "[1] " in out  # streamed deltas, tagged by sequence
+    assert "24 tokens in" in err and "tokens/s" in err
+
+
+def test_bad_prompt_inputs(tiny_dir, tmp_path):
+    sample = _sample_module()
+    with pytest.raises(FileNotFoundError, match="prompts file /nope does not exist"):
+        sample.main(sample.Args(model=tiny_dir, prompts_file="/nope"))
+    (tmp_path / "p.jsonl").write_text('{"foo": 1}\n')
+    with pytest.raises(ValueError, match="expected a 'prompt' or 'text' field"):
+        sample.main(sample.Args(model=tiny_dir, prompts_file=str(tmp_path / "p.jsonl")))
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings 2048"):
+        sample.main(sample.Args(model=tiny_dir, max_new_tokens=5000))

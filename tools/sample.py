@@ -1,0 +1,147 @@
+"""Sample from a model with a KV cache, streaming the text as it is generated.
+
+With no arguments: samples from `runs/tiny/final`, the model the default
+`python tools/train.py` run writes.
+
+    python tools/sample.py
+    python tools/sample.py --model Qwen/Qwen3-0.6B --prompt "Hello" --temperature 0.7 --tp 8
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Annotated, Literal
+
+import tyro
+
+DEFAULT_MODEL = "runs/tiny/final"
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = DEFAULT_MODEL
+    """An HF checkpoint directory (e.g. what tools/train.py writes) or a hub repo id."""
+    prompt: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(default_factory=list)
+    """A prompt; repeat the flag for several (sampled as one batch). Default: "Once upon a time,"."""
+    prompts_file: str | None = None
+    """A file of prompts: one per line, or jsonl with a 'prompt' or 'text' field (overrides --prompt)."""
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 0.95
+    seed: int = 0
+    """Seed of the first prompt; prompt i uses seed + i."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Stop tokens (default: the model's eos_token_id)."""
+    tp: int = 1
+    prefill_chunk_size: int | None = None
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    attention: Literal["auto", "cudnn", "blockwise", "xla"] = "auto"
+    stream_every: int = 8
+    """Decode steps between streamed updates."""
+
+
+def read_prompts(args: Args) -> list[str]:
+    if args.prompts_file is None:
+        return list(args.prompt) or ["Once upon a time,"]
+    if not os.path.isfile(args.prompts_file):
+        raise FileNotFoundError(f"prompts file {args.prompts_file} does not exist")
+    prompts = []
+    with open(args.prompts_file) as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if args.prompts_file.endswith(".jsonl"):
+                record = json.loads(line)
+                if "prompt" not in record and "text" not in record:
+                    raise ValueError(f"{args.prompts_file}:{n}: expected a 'prompt' or 'text' field")
+                line = record.get("prompt", record.get("text"))
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"prompts file {args.prompts_file} has no prompts")
+    return prompts
+
+
+def main(args: Args) -> None:
+    if args.model == DEFAULT_MODEL and not os.path.isdir(DEFAULT_MODEL):
+        raise FileNotFoundError(
+            f"no model at {DEFAULT_MODEL}: create it with `python tools/train.py` (about a minute), "
+            "or pass --model"
+        )
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer
+
+    import eqx_tx
+    from eqx_tx.generation import generate
+    from eqx_tx.loading import resolve_source
+    from eqx_tx.sampling import SamplingParams
+
+    prompts = read_prompts(args)
+    directory = resolve_source(args.model)
+    tokenizer_path = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(tokenizer_path):
+        raise FileNotFoundError(f"{directory} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
+    model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
+    params = [
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed + i, stop_token_ids=args.stop_token_ids)
+        for i in range(len(prompts))
+    ]
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    produced = [[] for _ in prompts]
+    shown = ["" for _ in prompts]
+    stops = set(args.stop_token_ids or model.config.eos_token_ids)
+
+    first_update = []
+
+    def on_tokens(new):
+        if not first_update:
+            first_update.append((time.perf_counter(), sum(len(t) for t in new)))
+        for i, toks in enumerate(new):
+            produced[i].extend(toks)
+            text = tokenizer.decode([t for t in produced[i] if t not in stops])
+            delta, shown[i] = text[len(shown[i]) :], text
+            if delta:
+                prefix = "" if len(prompts) == 1 else f"[{i}] "
+                sys.stdout.write(prefix + delta + ("" if len(prompts) == 1 else "\n"))
+        sys.stdout.flush()
+
+    if len(prompts) == 1:
+        sys.stdout.write(prompts[0])
+    start = time.perf_counter()
+    results = generate(
+        model, ids, params,
+        prefill_chunk_size=args.prefill_chunk_size,
+        cache_dtype=dtypes[args.kv_cache_dtype],
+        compute=eqx_tx.ComputeConfig(attention=args.attention),
+        stream_every=args.stream_every,
+        on_tokens=on_tokens,
+    )
+    elapsed = time.perf_counter() - start
+    print()
+    if len(prompts) > 1:
+        for i, (p, r) in enumerate(zip(prompts, results)):
+            print(f"--- [{i}] ({r.stop_reason}) {p}{shown[i]}")
+    end = time.perf_counter()
+    total = sum(len(r.tokens) for r in results)
+    report = f"{total} tokens in {elapsed:.2f} s (first {first_update[0][1]} incl. compile and prefill: " \
+             f"{first_update[0][0] - start:.2f} s)"
+    later = total - first_update[0][1]
+    if later > 0:
+        report += f"; decode {later / (end - first_update[0][0]):.1f} tokens/s"
+    print(report, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args))
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
