@@ -58,8 +58,10 @@ def _last_token_logits(model: CausalLM, hidden_bd):
     return constrain(logits, ("batch", "act_vocab"))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "compute"), donate_argnames="cache")
-def prefill(model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, compute: ComputeConfig):
+@functools.partial(jax.jit, static_argnames=("chunk", "compute", "full_logits"), donate_argnames="cache")
+def prefill(
+    model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
+):
     """Write the prompts' keys/values into `cache`; return it and each last token's logits.
 
     **Arguments:**
@@ -67,6 +69,8 @@ def prefill(model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, com
     - `tokens`: right-padded prompts `[batch, T]`, `T` a multiple of `chunk`.
     - `lengths`: prompt lengths `[batch]` (>= 1).
     - `chunk`: positions per prefill step (bounds activation memory).
+    - `full_logits`: the naive baseline for benchmarks: apply the LM head to every
+      position (`[batch, chunk, vocab]`) and pick the last token's row afterwards.
 
     **Returns:** the cache and `[batch, vocab]` float32 logits of the token after each prompt.
     """
@@ -80,17 +84,20 @@ def prefill(model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, com
         # q_offset stays the static 0 for the first chunk (cuDNN can run there).
         mask = AttentionMask(lengths, start if isinstance(start, int) else jnp.broadcast_to(start, (B,)))
         hidden, cache = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
-        # Keep the hidden state of each sequence's last prompt token if it is in this chunk.
+        if full_logits:
+            hidden = jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
+        # Keep each sequence's last prompt token (hidden state, or logits) if it is in this chunk.
         idx = jnp.clip(lengths - 1 - start, 0, chunk - 1)
         here = ((lengths - 1 - start) >= 0) & ((lengths - 1 - start) < chunk)
         picked = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
         return cache, jnp.where(here[:, None], picked, last_hidden)
 
-    last = jnp.zeros((B, D), model.dtype)
+    width = model.config.vocab_size if full_logits else D
+    last = jnp.zeros((B, width), jnp.float32 if full_logits else model.dtype)
     cache, last = run_chunk(0, cache, last)
     if n_chunks > 1:
         cache, last = jax.lax.fori_loop(1, n_chunks, lambda i, c: run_chunk(i * chunk, *c), (cache, last))
-    return cache, _last_token_logits(model, last)
+    return cache, (last if full_logits else _last_token_logits(model, last))
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames="state")

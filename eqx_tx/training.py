@@ -64,13 +64,14 @@ class TrainConfig:
     - `optimizer`: AdamW and schedule settings.
     - `micro_batches`: split each batch into this many micro-batches, accumulating
       gradients in float32 (the update equals the full-batch update).
-    - `loss_chunk_size`: tokens per LM-head chunk (see `eqx_tx.loss`).
+    - `loss_chunk_size`: tokens per LM-head chunk (see `eqx_tx.loss`); `None` computes
+      full `[batch, seq, vocab]` logits with plain autodiff (a baseline for benchmarks).
     - `compute`: attention implementation, remat policy.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
     micro_batches: int = 1
-    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
+    loss_chunk_size: int | None = DEFAULT_CHUNK_SIZE
     compute: ComputeConfig = ComputeConfig()
 
 
@@ -170,7 +171,11 @@ def _weighted_nll_sum(params, frozen, batch: Batch, config: TrainConfig):
         mask=AttentionMask(batch.lengths, 0),
         compute=config.compute,
     )
-    logp = chunked_logprobs(hidden, model.head_weight(), batch.target_ids, chunk_size=config.loss_chunk_size)
+    if config.loss_chunk_size is None:  # the naive baseline: full logits, plain autodiff
+        logits = jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch.target_ids[..., None], -1)[..., 0]
+    else:
+        logp = chunked_logprobs(hidden, model.head_weight(), batch.target_ids, chunk_size=config.loss_chunk_size)
     return -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp)
 
 

@@ -65,10 +65,23 @@ def _cudnn_attention(q, k, v, *, kv_lengths, causal, scale):
     )
 
 
+def target_platform() -> str:
+    """The platform being compiled for: the context mesh's devices, else the default backend.
+
+    (A mesh of compile-only CUDA devices makes this "gpu" on a machine without one.)
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    if device is not None:
+        return "gpu" if device.platform in ("cuda", "rocm", "gpu") else device.platform
+    return jax.default_backend()
+
+
 def _cudnn_reason(q, k, q_offset) -> str | None:
     """Why cuDNN cannot run here (`None` if it can)."""
-    if jax.default_backend() != "gpu":
-        return f"backend is {jax.default_backend()}, not gpu"
+    platform = target_platform()
+    if platform != "gpu":
+        return f"backend is {platform}, not gpu"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (cuDNN flash attention needs bf16/fp16)"
     if q.shape[-1] > 256 or q.shape[-1] % 8:

@@ -1,0 +1,172 @@
+"""Compile-time memory measurement of the real jitted functions, with no weights.
+
+Every input is a `jax.ShapeDtypeStruct` carrying its real sharding, so
+`jit(f).lower(...).compile().memory_analysis()` gives exact per-device figures
+for any mesh: fake CPU devices, or compile-only GPU devices from a target
+description (`target_mesh`), where bf16 buffers stay bf16 (XLA:CPU keeps f32
+copies of bf16 buffers and overstates memory up to 2x).
+"""
+
+import dataclasses
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from .compute import ComputeConfig
+from .generation import DecodeState, prefill, decode
+from .layers.kv_cache import KV_AXES, KVCache
+from .layers.lora import apply_lora, lora_filter
+from .loading import abstract_model
+from .models.config import TransformerConfig
+from .sampling import SamplerArrays, SamplingParams
+from .sharding import MESH_AXES, RULES, logical_to_spec, tree_shardings
+from .training import Batch, TrainConfig, make_optimizer, train_step_jit
+
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "targets")
+TARGET_FILES = {"a100-40gb": "a100_sxm_40.txtpb", "h100-80gb": "h100_sxm.txtpb"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigures:
+    """Per-device bytes from `compiled.memory_analysis()`."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+
+    @property
+    def total(self) -> int:
+        """Peak live bytes: arguments + outputs + temporaries - donated (aliased) outputs."""
+        return self.argument + self.output + self.temp - self.alias
+
+    @classmethod
+    def of(cls, compiled) -> "MemoryFigures":
+        m = compiled.memory_analysis()
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes)
+
+
+def target_mesh(target: str, *, dp: int = 1, sp: int = 1, tp: int = 8, targets_dir: str = TARGETS_DIR) -> Mesh:
+    """A `("dp", "sp", "tp")` mesh for `target`: `"cpu"` (the local, possibly fake,
+    CPU devices) or a GPU name in `TARGET_FILES` (compile-only devices; needs
+    `jax-cuda13-plugin` and `JAX_PLATFORMS=cpu`, no GPU)."""
+    n = dp * sp * tp
+    if target == "cpu":
+        devices = jax.devices("cpu")
+        if len(devices) < n:
+            raise ValueError(
+                f"target cpu needs {n} devices, found {len(devices)}: set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts"
+            )
+        devices = devices[:n]
+    elif target in TARGET_FILES:
+        import jax.experimental.topologies as topologies
+
+        with open(os.path.join(targets_dir, TARGET_FILES[target])) as f:
+            spec = f.read()
+        try:
+            topo = topologies.get_topology_desc(
+                platform="cuda", topology_name="", topology=f"1x1x{n}", target_config=spec
+            )
+        except Exception as e:  # noqa: BLE001 - the plugin's errors are not typed
+            raise RuntimeError(
+                f"cannot create compile-only devices for {target}: {e}. Install the bench extra "
+                "(pip install -e '.[bench]': jax-cuda13-plugin/pjrt at the jax version, nvidia-cudnn-cu13)"
+            ) from None
+        devices = topo.devices
+    else:
+        raise ValueError(f"unknown target {target!r}; choose cpu or {', '.join(TARGET_FILES)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(dp, sp, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _with_shardings(tree, mesh):
+    shardings = tree_shardings(tree, mesh, RULES)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _sds(shape, dtype, mesh, *names):
+    spec = logical_to_spec(names + (None,) * (len(shape) - len(names)), shape, mesh)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def abstract_sharded_model(config: TransformerConfig, mesh, dtype=jnp.bfloat16, *, lora_rank: int = 0):
+    """The model as sharded `ShapeDtypeStruct`s (LoRA adapters on all projections if rank > 0)."""
+    model = abstract_model(config, dtype)
+    if lora_rank:
+        model = eqx.filter_eval_shape(
+            lambda m: apply_lora(m, rank=lora_rank, alpha=2.0 * lora_rank, key=jax.random.key(0)), model
+        )
+    return _with_shardings(model, mesh)
+
+
+def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfig):
+    """Lower and compile `train_step_jit` for abstract, sharded inputs; returns the compiled step."""
+    spec = lora_filter(model)
+    params, frozen = eqx.partition(model, spec if any(jax.tree.leaves(spec)) else eqx.is_array)
+    opt_state = jax.eval_shape(make_optimizer(config.optimizer, params).init, params)
+    # Optimizer moments follow their parameter's sharding; scalars are replicated.
+    param_sharding = {x.shape: x.sharding for x in jax.tree.leaves(params)}
+    opt_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=param_sharding.get(x.shape, NamedSharding(mesh, P()))
+        ),
+        opt_state,
+    )
+    b = Batch(
+        _sds((batch, seq_len), jnp.int32, mesh, "batch"),
+        _sds((batch, seq_len), jnp.int32, mesh, "batch"),
+        _sds((batch, seq_len), jnp.float32, mesh, "batch"),
+        _sds((batch,), jnp.int32, mesh, "batch"),
+    )
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        return train_step_jit.lower(params, opt_state, step, frozen, b, config).compile()
+
+
+def abstract_cache(config: TransformerConfig, mesh, batch: int, max_len: int, dtype) -> KVCache:
+    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    kv = _sds(shape, dtype, mesh, "layers", *KV_AXES)
+    return KVCache(kv, kv)
+
+
+def compile_sampling(
+    model,
+    mesh,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    compute: ComputeConfig,
+    cache_dtype=jnp.bfloat16,
+    prefill_chunk: int | None = None,
+    full_logits: bool = False,
+):
+    """Compile the real `prefill` and `decode` for `batch` prompts of `prompt_len`
+    tokens and `new_tokens` new tokens; returns `{"prefill": compiled, "decode": compiled}`."""
+    config = model.config
+    V = config.vocab_size
+    max_len = prompt_len + new_tokens
+    chunk = prefill_chunk or prompt_len
+    cache = abstract_cache(config, mesh, batch, max_len, cache_dtype)
+    tokens = _sds((batch, prompt_len), jnp.int32, mesh, "batch")
+    lengths = _sds((batch,), jnp.int32, mesh, "batch")
+    state = DecodeState(
+        cache=cache,
+        logits=_sds((batch, V), jnp.float32, mesh, "batch", "act_vocab"),
+        lengths=lengths,
+        generated=lengths,
+        done=lengths,
+        tokens=_sds((batch, new_tokens), jnp.int32, mesh, "batch"),
+        logprobs=_sds((batch, new_tokens), jnp.float32, mesh, "batch"),
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+    )
+    sampler = jax.eval_shape(lambda: SamplerArrays.from_params([SamplingParams()] * batch, (0,), V))
+    sampler = jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh, "batch"), sampler)
+    with jax.set_mesh(mesh):
+        pre = prefill.lower(model, cache, tokens, lengths, chunk=chunk, compute=compute, full_logits=full_logits)
+        dec = decode.lower(model, state, sampler, jax.ShapeDtypeStruct((), jnp.int32), compute=compute)
+        return {"prefill": pre.compile(), "decode": dec.compile()}
