@@ -9,6 +9,7 @@ Stages are cumulative; each changes exactly one thing:
 | 2 | skip full logits: prefill applies the LM head to the last prompt token only (sampling; training unchanged) |
 | 3 | per-layer checkpointing (`remat="full"`: only layer-boundary activations kept) |
 | 4 | chunked LM head for the loss (training; sampling unchanged) |
+| 5 | sequence parallelism: activations between blocks split over the sequence on `tp` (training) |
 
 `--measure compile` (default) lowers and compiles the real jitted `train_step` /
 `prefill` + `decode` with abstract, sharded inputs and reads per-device memory from
@@ -44,6 +45,7 @@ STAGES = {
     2: dict(attention="flash", skip_full_logits=True, remat="none", loss_chunk_size=0),
     3: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=0),
     4: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192),
+    5: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192, sequence_parallel=True),
 }
 
 
@@ -58,11 +60,13 @@ class Args:
     model: str = "qwen3-4b"
     """A preset name or a local HF directory (its config.json)."""
     tp: int = 8
+    sp: int = 1
+    """Context-parallel size (ring attention over the sequence); the mesh is sp x tp devices."""
     device_memory_gib: float = 40.0
     mem_fraction: float = 0.75
     """JAX's default allocator cap: the budget is device_memory_gib * mem_fraction."""
     stage: int | None = None
-    """Run one stage (0-4); default: all."""
+    """Run one stage (0-5); default: all."""
     measure: Literal["compile", "run"] = "compile"
     target: Literal["a100-40gb", "h100-80gb", "cpu"] = "a100-40gb"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -72,6 +76,7 @@ class Args:
     remat: Literal["none", "full", "dots"] | None = None
     loss_chunk_size: int | None = None
     """Tokens per LM-head chunk; 0 = unchunked."""
+    sequence_parallel: bool | None = None
     full_finetune: bool = False
     """Train all weights instead of LoRA rank-32 adapters on every projection (frozen base)."""
     lora_rank: int = 32
@@ -85,7 +90,8 @@ class Args:
 
 def stage_settings(args: Args, stage: int) -> dict:
     s = dict(STAGES[stage])
-    for key in ("attention", "skip_full_logits", "remat", "loss_chunk_size"):
+    s.setdefault("sequence_parallel", False)
+    for key in ("attention", "skip_full_logits", "remat", "loss_chunk_size", "sequence_parallel"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
     if s["attention"] == "flash":
@@ -106,7 +112,9 @@ def _config(args: Args):
 def _compute(settings):
     import eqx_tx
 
-    return eqx_tx.ComputeConfig(attention=settings["attention"], remat=settings["remat"])
+    return eqx_tx.ComputeConfig(
+        attention=settings["attention"], remat=settings["remat"], sequence_parallel=settings["sequence_parallel"]
+    )
 
 
 def _train_config(args: Args, settings):
@@ -119,12 +127,16 @@ def _train_config(args: Args, settings):
 def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, model) -> dict:
     import jax.numpy as jnp
 
+    from eqx_tx.hlo import format_summary, per_layer_summary
     from eqx_tx.memory import MemoryFigures, compile_sampling, compile_train_step
 
     settings = stage_settings(args, stage)
     start = time.perf_counter()
+    comms = ""
     if args.mode == "train":
-        figures = {"train_step": MemoryFigures.of(compile_train_step(model, mesh, batch, seq_len, _train_config(args, settings)))}
+        compiled = compile_train_step(model, mesh, batch, seq_len, _train_config(args, settings))
+        figures = {"train_step": MemoryFigures.of(compiled)}
+        comms = format_summary(per_layer_summary(compiled.as_text(), model.config.num_hidden_layers))
     else:
         compiled = compile_sampling(
             model, mesh, batch, seq_len // 2, seq_len - seq_len // 2, compute=_compute(settings),
@@ -134,7 +146,7 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
         figures = {k: MemoryFigures.of(v) for k, v in compiled.items()}
     phase, peak = max(figures.items(), key=lambda kv: kv[1].total)
     return dict(bytes=peak.total, phase=phase, argument=peak.argument, output=peak.output, temp=peak.temp,
-                alias=peak.alias, seconds=time.perf_counter() - start)
+                alias=peak.alias, seconds=time.perf_counter() - start, collectives=comms)
 
 
 def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict:
@@ -154,7 +166,8 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
     settings = stage_settings(args, stage)
     config = _config(args)
     tp = min(args.tp, len(jax.devices()))
-    mesh = eqx_tx.make_mesh(dp=1, tp=tp, devices=jax.devices()[:tp])
+    sp = max(1, min(args.sp, len(jax.devices()) // tp))
+    mesh = eqx_tx.make_mesh(dp=1, sp=sp, tp=tp, devices=jax.devices()[: sp * tp])
     dtype = jnp.dtype(args.dtype)
     model = eqx_tx.init_model(config, key=jax.random.key(0), dtype=dtype, mesh=mesh)
     rng = np.random.default_rng(0)
@@ -206,13 +219,13 @@ def _tokens(T: int) -> str:
 def write_outputs(args: Args, rows: list[dict], out_dir: str, budget: int) -> None:
     os.makedirs(out_dir, exist_ok=True)
     fields = ["experiment", "mode", "stage", "seq_len", "batch", "target", "tp", "measure", "phase", "bytes",
-              "argument", "output", "temp", "alias", "seconds", "fits"]
+              "argument", "output", "temp", "alias", "seconds", "fits", "collectives"]
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     unit = "compile s" if args.measure == "compile" else "s/step"
-    lines = [f"# {args.experiment_name}: {args.mode}, {args.model}, tp={args.tp}, target {args.target}, "
+    lines = [f"# {args.experiment_name}: {args.mode}, {args.model}, sp={args.sp} x tp={args.tp}, target {args.target}, "
              f"budget {args.device_memory_gib:g} GiB x {args.mem_fraction:g} = {budget / 2**30:.1f} GiB", "",
              f"Cells: peak MiB per device / {unit}; ERROR = over budget.", ""]
     seq_lens = sorted({r["seq_len"] for r in rows})
@@ -284,7 +297,7 @@ def main(args: Args) -> None:
 
         from eqx_tx.memory import abstract_sharded_model, target_mesh
 
-        mesh = target_mesh(args.target, tp=args.tp)
+        mesh = target_mesh(args.target, sp=args.sp, tp=args.tp)
         rank = 0 if (args.mode == "sample" or args.full_finetune) else args.lora_rank
         model = abstract_sharded_model(_config(args), mesh, jnp.dtype(args.dtype), lora_rank=rank)
     rows = []
@@ -307,6 +320,8 @@ def main(args: Args) -> None:
                 tqdm.write(f"stage {stage} T={T} B={b}: "
                            + ("failed" if r["bytes"] is None else f"{r['bytes'] / 2**30:.2f} GiB ({r['phase']})")
                            + ("" if fits else "  over budget"))
+                if r.get("collectives") and b == batches[0]:
+                    tqdm.write(f"  collectives at B={b}: {r['collectives']}")
                 over = not fits
     bar.close()
     write_outputs(args, rows, out_dir, budget)

@@ -18,27 +18,33 @@ from jaxtyping import Array, Float, Int
 from .compute import ComputeConfig
 from .forward import lengths_from_mask, positions_for
 from .layers.attention import AttentionMask
+from .layers.ring import to_context_layout
 from .models import CausalLM
-from .sharding import constrain
+from .sharding import constrain, context_parallel_size
 
 DEFAULT_CHUNK_SIZE = 8192
 
 
 @dataclasses.dataclass(frozen=True)
 class _Chunking:
-    positions: int  # sequence positions per chunk
+    positions: int  # sequence positions per chunk (within a sequence shard)
     num_chunks: int
 
 
-def _chunk_logits(h_bcd, weight_vd):
-    logits = jnp.einsum("bcd,vd->bcv", h_bcd, weight_vd, preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", None, "act_vocab"))
+# Hidden states are handled as [batch, shards, positions, embed]: `shards` is the
+# number of context-parallel sequence shards (1 without), so each device loops over
+# chunks of its own part of the sequence.
 
 
-def _target_logit(logits_bcv, targets_bc):
+def _chunk_logits(h_bocd, weight_vd):
+    logits = jnp.einsum("bocd,vd->bocv", h_bocd, weight_vd, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", None, "act_vocab"))
+
+
+def _target_logit(logits_bocv, targets_boc):
     # A compare against an iota instead of a gather keeps the vocab axis sharded.
-    hit = jnp.arange(logits_bcv.shape[-1])[None, None, :] == targets_bc[..., None]
-    return jnp.sum(jnp.where(hit, logits_bcv, 0.0), axis=-1), hit
+    hit = jnp.arange(logits_bocv.shape[-1]) == targets_boc[..., None]
+    return jnp.sum(jnp.where(hit, logits_bocv, 0.0), axis=-1), hit
 
 
 def _forward(hidden, weight, targets, chunking: _Chunking):
@@ -46,13 +52,13 @@ def _forward(hidden, weight, targets, chunking: _Chunking):
 
     def chunk(i, carry):
         logp, lse = carry
-        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=1)
-        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=1)
+        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=2)
+        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=2)
         logits = _chunk_logits(h, weight)
         lse_c = jax.nn.logsumexp(logits, axis=-1)
         tgt, _ = _target_logit(logits, t)
-        logp = jax.lax.dynamic_update_slice_in_dim(logp, tgt - lse_c, i * c, axis=1)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * c, axis=1)
+        logp = jax.lax.dynamic_update_slice_in_dim(logp, tgt - lse_c, i * c, axis=2)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * c, axis=2)
         return logp, lse
 
     shape = targets.shape
@@ -80,18 +86,18 @@ def _chunked_logprobs_bwd(lse, g, perturbed, hidden_weight, targets, chunking):
 
     def chunk(i, carry):
         d_hidden, d_weight = carry
-        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=1)
-        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=1)
-        g_c = jax.lax.dynamic_slice_in_dim(g, i * c, c, axis=1)
-        lse_c = jax.lax.dynamic_slice_in_dim(lse, i * c, c, axis=1)
+        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=2)
+        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=2)
+        g_c = jax.lax.dynamic_slice_in_dim(g, i * c, c, axis=2)
+        lse_c = jax.lax.dynamic_slice_in_dim(lse, i * c, c, axis=2)
         logits = _chunk_logits(h, weight)
         _, hit = _target_logit(logits, t)
         # d logp / d logits = onehot(target) - softmax(logits)
         d_logits = g_c[..., None] * (hit.astype(jnp.float32) - jnp.exp(logits - lse_c[..., None]))
-        d_h = jnp.einsum("bcv,vd->bcd", d_logits.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
-        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=1)
+        d_h = jnp.einsum("bocv,vd->bocd", d_logits.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
         d_weight = d_weight + jnp.einsum(
-            "bcv,bcd->vd", d_logits.astype(hidden.dtype), h, preferred_element_type=jnp.float32
+            "bocv,bocd->vd", d_logits.astype(hidden.dtype), h, preferred_element_type=jnp.float32
         )
         return d_hidden, d_weight
 
@@ -114,22 +120,28 @@ def chunked_logprobs(
     - `hidden`: final (normed) hidden states.
     - `weight`: the LM head `[vocab, embed]` (may be vocab-sharded, or the tied embedding).
     - `targets`: target token ids.
-    - `chunk_size`: tokens per chunk; a chunk spans `max(1, chunk_size // batch)`
-      positions of every sequence. The last chunk is padded when it does not divide.
+    - `chunk_size`: tokens per chunk (per device under context parallelism); a chunk
+      spans `max(1, chunk_size // batch)` positions of every sequence. The last chunk
+      is padded when it does not divide.
 
     **Returns:** float32 log-probabilities `[batch, seq]`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    B, T, _ = hidden.shape
-    positions = min(T, max(1, chunk_size // B))
-    n = -(-T // positions)
-    pad = n * positions - T
+    B, T, D = hidden.shape
+    shards = context_parallel_size()
+    shards = shards if T % shards == 0 else 1
+    L = T // shards
+    positions = min(L, max(1, chunk_size // B))
+    n = -(-L // positions)
+    pad = n * positions - L
+    hidden = constrain(hidden.reshape(B, shards, L, D), ("batch", "seq", None, "act_embed"))
+    targets = targets.reshape(B, shards, L).astype(jnp.int32)
     if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    logp = _chunked_logprobs((hidden, weight), targets.astype(jnp.int32), _Chunking(positions, n))
-    return logp[:, :T]
+        hidden = jnp.pad(hidden, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, 0), (0, pad)))
+    logp = _chunked_logprobs((hidden, weight), targets, _Chunking(positions, n))
+    return logp[:, :, :L].reshape(B, T)
 
 
 def token_logprobs(
@@ -160,10 +172,16 @@ def token_logprobs(
     """
     B, T = input_ids.shape
     lengths = lengths_from_mask(attention_mask, T, B)
-    hidden, _ = model.hidden_states(
-        input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0), compute=compute
-    )
-    return chunked_logprobs(hidden, model.head_weight(), target_ids, chunk_size=chunk_size)
+    sp = context_parallel_size()
+    if sp > 1:
+        (input_ids, target_ids), positions, order = to_context_layout((input_ids, target_ids), sp)
+    else:
+        positions = positions_for(B, T)
+    hidden, _ = model.hidden_states(input_ids, positions=positions, mask=AttentionMask(lengths, 0), compute=compute)
+    logp = chunked_logprobs(hidden, model.head_weight(), target_ids, chunk_size=chunk_size)
+    if sp > 1:  # back to the original token order
+        logp = jnp.zeros_like(logp).at[:, order].set(logp)[:, :T]
+    return logp
 
 
 def weighted_cross_entropy(

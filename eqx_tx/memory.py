@@ -83,6 +83,10 @@ def target_mesh(target: str, *, dp: int = 1, sp: int = 1, tp: int = 8, targets_d
     return Mesh(np.asarray(devices, dtype=object).reshape(dp, sp, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def _is_array_like(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+
+
 def _with_shardings(tree, mesh):
     shardings = tree_shardings(tree, mesh, RULES)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
@@ -106,7 +110,9 @@ def abstract_sharded_model(config: TransformerConfig, mesh, dtype=jnp.bfloat16, 
 def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfig):
     """Lower and compile `train_step_jit` for abstract, sharded inputs; returns the compiled step."""
     spec = lora_filter(model)
-    params, frozen = eqx.partition(model, spec if any(jax.tree.leaves(spec)) else eqx.is_array)
+    params, frozen = eqx.partition(model, spec if any(jax.tree.leaves(spec)) else _is_array_like)
+    if not jax.tree.leaves(params):
+        raise ValueError("nothing to train: the model has no arrays")
     opt_state = jax.eval_shape(make_optimizer(config.optimizer, params).init, params)
     # Optimizer moments follow their parameter's sharding; scalars are replicated.
     param_sharding = {x.shape: x.sharding for x in jax.tree.leaves(params)}

@@ -43,6 +43,9 @@ RULES: Mapping[str, MeshAxes] = {
     # activations
     "batch": "dp",
     "seq": "sp",
+    # Sequence parallelism: between blocks (norms, residual adds, the saved carry) the
+    # sequence is also split over the tensor-parallel devices.
+    "seq_parallel": ("sp", "tp"),
     "act_embed": None,
     "act_heads": "tp",
     "act_kv_heads": "tp",
@@ -192,6 +195,12 @@ def current_mesh():
     """The mesh set with `jax.set_mesh`, or `None` outside one."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
+
+
+def context_parallel_size() -> int:
+    """Size of the `sp` axis of the context mesh (1 outside a mesh)."""
+    mesh = current_mesh()
+    return 1 if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("sp", 1)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES):

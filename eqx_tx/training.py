@@ -17,13 +17,14 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
-from .layers.linear import Embedding, Linear
-from .layers.lora import lora_filter
-from .loss import DEFAULT_CHUNK_SIZE, chunked_logprobs
 from .forward import positions_for
 from .layers.attention import AttentionMask
+from .layers.linear import Embedding, Linear
+from .layers.lora import lora_filter
+from .layers.ring import to_context_layout
+from .loss import DEFAULT_CHUNK_SIZE, chunked_logprobs
 from .models import CausalLM
-from .sharding import constrain, mesh_context
+from .sharding import constrain, context_parallel_size, mesh_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,18 +166,24 @@ def _split_micro_batches(batch: Batch, m: int) -> Batch:
 def _weighted_nll_sum(params, frozen, batch: Batch, config: TrainConfig):
     model = eqx.combine(params, frozen)
     B, T = batch.input_ids.shape
+    ids, targets, weights = batch.input_ids, batch.target_ids, batch.loss_weights
+    sp = context_parallel_size()
+    if sp > 1:  # a load-balanced token order; the loss is a sum, so order does not matter
+        (ids, targets, weights), positions, _ = to_context_layout((ids, targets, weights), sp)
+    else:
+        positions = positions_for(B, T)
     hidden, _ = model.hidden_states(
-        constrain(batch.input_ids, ("batch", "seq")),
-        positions=positions_for(B, T),
+        constrain(ids, ("batch", "seq")),
+        positions=constrain(positions, ("batch", "seq")),
         mask=AttentionMask(batch.lengths, 0),
         compute=config.compute,
     )
     if config.loss_chunk_size is None:  # the naive baseline: full logits, plain autodiff
         logits = jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch.target_ids[..., None], -1)[..., 0]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
     else:
-        logp = chunked_logprobs(hidden, model.head_weight(), batch.target_ids, chunk_size=config.loss_chunk_size)
-    return -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp)
+        logp = chunked_logprobs(hidden, model.head_weight(), targets, chunk_size=config.loss_chunk_size)
+    return -jnp.sum(weights.astype(jnp.float32) * logp)
 
 
 def _loss_and_grads(params, frozen, batch: Batch, config: TrainConfig):

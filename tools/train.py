@@ -42,6 +42,10 @@ class Args:
     lora_targets: tuple[str, ...] = ALL_TARGETS
     tp: int = 1
     """Tensor-parallel size; the remaining devices are data parallel."""
+    sp: int = 1
+    """Context-parallel size (ring attention over the sequence); the mesh is dp x sp x tp."""
+    sequence_parallel: bool = False
+    """Also split activations between blocks over the sequence on the tp devices."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype (auto: float32 for presets, the checkpoint's dtype otherwise)."""
     attention: Literal["auto", "cudnn", "blockwise", "xla"] = "auto"
@@ -76,18 +80,18 @@ def main(args: Args) -> None:
     from eqx_tx.saving import tokenizer_files
     from eqx_tx.training import OptimizerConfig, TrainConfig, init_train_state, train_step
 
-    for name in ("seq_len", "batch_size", "micro_batches", "steps", "tp", "save_every", "loss_chunk_size"):
+    for name in ("seq_len", "batch_size", "micro_batches", "steps", "tp", "sp", "save_every", "loss_chunk_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size % args.micro_batches:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
 
-    mesh = eqx_tx.make_mesh(tp=args.tp)
+    mesh = eqx_tx.make_mesh(sp=args.sp, tp=args.tp)
     dp = mesh.shape["dp"]
     if args.batch_size % (dp * args.micro_batches):
         raise ValueError(
             f"--batch-size {args.batch_size} is not divisible by data-parallel size {dp} "
-            f"({len(mesh.devices.flat)} devices / tp {args.tp}) x --micro-batches {args.micro_batches}"
+            f"({len(mesh.devices.flat)} devices / (sp {args.sp} x tp {args.tp})) x --micro-batches {args.micro_batches}"
         )
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     is_preset = args.model in PRESETS
@@ -135,7 +139,8 @@ def main(args: Args) -> None:
         ),
         micro_batches=args.micro_batches,
         loss_chunk_size=args.loss_chunk_size,
-        compute=eqx_tx.ComputeConfig(attention=args.attention, remat=args.remat),
+        compute=eqx_tx.ComputeConfig(attention=args.attention, remat=args.remat,
+                                     sequence_parallel=args.sequence_parallel),
     )
     with jax.set_mesh(mesh):
         state = init_train_state(model, train_config)

@@ -7,10 +7,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..compute import ComputeConfig
-from ..sharding import constrain
+from .._log import log_once
+from ..sharding import constrain, context_parallel_size, current_mesh
 from .kv_cache import KVCache
 from .linear import Linear
 from .norm import RMSNorm
+from .ring import ring_attention
 from .rope import apply_rope
 from .sdpa import dot_product_attention
 
@@ -94,6 +96,17 @@ class Attention(eqx.Module):
         q_bthk = checkpoint_name(constrain(q_bthk, ("batch", "seq", "act_heads", None)), "q")
         k_bthk = checkpoint_name(constrain(k_bthk, ("batch", "seq", "act_kv_heads", None)), "k")
         v_bthk = checkpoint_name(constrain(v_bthk, ("batch", "seq", "act_kv_heads", None)), "v")
+        if cache is None and context_parallel_size() > 1:
+            # The sequence is split over `sp`: keys/values travel around the ring.
+            B = x.shape[0]
+            lengths = mask.kv_lengths if mask.kv_lengths is not None else jnp.full((B,), jnp.iinfo(jnp.int32).max - 1)
+            o_bthk = ring_attention(
+                q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=current_mesh(),
+                block_q=compute.block_q, block_kv=compute.block_kv,
+            )
+            log_once("attention: ring (context parallel over sp), blockwise inside")
+            o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
+            return self.o_proj(o_bthk), cache
         if cache is not None:
             cache = cache.write(layer, k_bthk, v_bthk, positions)
             k_bshk, v_bshk = cache.layer(layer)

@@ -61,8 +61,14 @@ def stack_length(stacked: eqx.Module) -> int:
 
 
 def activation_axes(compute: ComputeConfig) -> tuple[str, str, str]:
-    """Logical axes of the hidden states between blocks."""
-    return ("batch", "seq", "act_embed")
+    """Logical axes of the hidden states between blocks.
+
+    With sequence parallelism the sequence is split over `tp` as well: XLA then
+    all-gathers it before the column-parallel projections and reduce-scatters the
+    row-parallel outputs (Megatron-style), and the carry saved for the backward pass
+    is 1/tp the size per device.
+    """
+    return ("batch", "seq_parallel" if compute.sequence_parallel else "seq", "act_embed")
 
 
 def run_stack(

@@ -6,11 +6,14 @@ key/value blocks keeps a running max and sum (online softmax), so at most one
 a custom VJP that recomputes each tile from the saved log-sum-exp (FlashAttention-2)
 and accumulates `dq` in place, so nothing quadratic is ever stored.
 
-Masking is described by two things only: key `j` of sequence `b` is visible to query
-`i` iff `j < kv_lengths[b]` and, when causal, `j <= q_offset[b] + i`. Training uses
-`q_offset = 0`; chunked prefill the chunk start; decode the current cache length.
-Loops run only over blocks that hold a visible key, so causal attention skips the
-fully masked upper triangle and decode skips the unfilled part of the cache.
+Masking works on positions: key `j` of sequence `b` is visible to query `i` iff
+`k_pos[b, j] < kv_lengths[b]` and, when causal, `k_pos[b, j] <= q_pos[b, i]`. By
+default `k_pos` is the key index (a cache slot) and `q_pos = q_offset + i`: training
+uses `q_offset = 0`, chunked prefill the chunk start, decode the current cache length.
+Explicit position arrays (non-decreasing along each row) serve context parallelism,
+where a device holds two distant chunks of the sequence. Loops run only over blocks
+that hold a visible key, so causal attention skips the fully masked upper triangle and
+decode skips the unfilled part of the cache.
 
 GQA is handled by grouping the query heads of each key/value head
 (`[batch, q, kv_heads, group, head_dim]`), never by repeating K/V.
@@ -45,45 +48,52 @@ def _pad_axis(x, size, axis):
     return jnp.pad(x, widths)
 
 
+_NO_POSITION = jnp.iinfo(jnp.int32).max  # padded keys: never visible
+
+
 def _tile_mask(q_pos, k_pos, kv_lengths, causal):
-    """`[batch, 1, 1, bq, bk]` visibility of keys `k_pos` to queries `q_pos`."""
-    visible = k_pos[None, None, :] < kv_lengths[:, None, None]
+    """`[batch, 1, 1, bq, bk]` visibility of keys at `k_pos [B, bk]` to queries at `q_pos [B, bq]`."""
+    visible = (k_pos < kv_lengths[:, None])[:, None, :]
     if causal:
-        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+        visible = visible & (k_pos[:, None, :] <= q_pos[:, :, None])
     return visible[:, None, None]
 
 
-def _kv_block_range(static: _Static, q_hi, kv_lengths, n_kv):
-    """Key/value blocks `[0, hi)` holding a key visible to queries with positions `<= q_hi`."""
-    last_key = jnp.max(kv_lengths) - 1
-    if static.causal:
-        last_key = jnp.minimum(last_key, q_hi)
-    return jnp.clip((last_key + static.block_kv) // static.block_kv, 0, n_kv)
+def _block_bounds(q_pos, k_pos, bq, bk):
+    """Per query block the largest position, per key block the smallest: `[n_q]`, `[n_kv]`."""
+    q_max = jnp.max(q_pos.reshape(q_pos.shape[0], -1, bq), axis=(0, 2))
+    k_min = jnp.min(k_pos.reshape(k_pos.shape[0], -1, bk), axis=(0, 2))
+    return q_max, k_min
 
 
-def _forward(q, k, v, kv_lengths, q_offset, static: _Static):
-    """Returns `o [B, Tp, Hkv, G, K]` (q dtype) and `lse [B, Tp, Hkv, G]` (float32)."""
+def _forward(q, k, v, kv_lengths, q_pos, k_pos, static: _Static):
+    """Returns `o [B, Tp, Hkv, G, K]` (q dtype) and `lse [B, Tp, Hkv, G]` (float32).
+
+    Positions are non-decreasing along rows, so the key blocks a query block needs
+    are a prefix `[0, hi)`: those starting at or before its last query (causal) and
+    before the longest sequence's end.
+    """
     bq, bk = static.block_q, static.block_kv
     B, Tp, Hkv, G, K = q.shape
-    n_q, n_kv = Tp // bq, k.shape[1] // bk
-    off_max = jnp.max(q_offset)
+    n_q = Tp // bq
+    q_max, k_min = _block_bounds(q_pos, k_pos, bq, bk)
+    needed_kv = k_min < jnp.max(kv_lengths)
 
     def q_block(i, carry):
         out, lse = carry
         q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
-        q_pos = q_offset[:, None] + i * bq + jnp.arange(bq)
+        q_pos_i = jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1)
 
         def kv_block(j, acc):
             o, m, l = acc
             k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
-            k_pos = j * bk + jnp.arange(bk)
-            # Zero values past each sequence's end: stale cache slots may hold anything.
+            k_pos_j = jax.lax.dynamic_slice_in_dim(k_pos, j * bk, bk, axis=1)
+            # Zero values of invisible keys: stale cache slots may hold anything.
             v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-            v_j = jnp.where((k_pos[None, :] < kv_lengths[:, None])[:, :, None, None], v_j, 0)
+            v_j = jnp.where((k_pos_j < kv_lengths[:, None])[:, :, None, None], v_j, 0)
             s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
-            mask = _tile_mask(q_pos, k_pos, kv_lengths, static.causal)
-            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.where(_tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal), s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - m_safe[..., None])
@@ -95,7 +105,8 @@ def _forward(q, k, v, kv_lengths, q_offset, static: _Static):
         o0 = jnp.zeros((B, Hkv, G, bq, K), jnp.float32)
         m0 = jnp.full((B, Hkv, G, bq), -jnp.inf, jnp.float32)
         l0 = jnp.zeros((B, Hkv, G, bq), jnp.float32)
-        hi = _kv_block_range(static, off_max + (i + 1) * bq - 1, kv_lengths, n_kv)
+        visible = needed_kv & (k_min <= q_max[i]) if static.causal else needed_kv
+        hi = jnp.sum(visible)
         o, m, l = jax.lax.fori_loop(0, hi, kv_block, (o0, m0, l0))
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
         lse_i = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
@@ -110,12 +121,16 @@ def _forward(q, k, v, kv_lengths, q_offset, static: _Static):
     return jax.lax.fori_loop(0, n_q, q_block, (out, lse))
 
 
-def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static: _Static):
-    """Gradients w.r.t. the padded, grouped `q, k, v`."""
+def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: _Static):
+    """Float32 gradients w.r.t. the padded, grouped `q, k, v`, given the final `o, lse`.
+
+    Exact per key block (FlashAttention-2): it only needs each query's final
+    log-sum-exp, which is what lets ring attention visit key blocks one by one.
+    """
     bq, bk = static.block_q, static.block_kv
     B, Tp, Hkv, G, K = q.shape
     n_q, n_kv = Tp // bq, k.shape[1] // bk
-    off_max = jnp.max(q_offset)
+    q_max, k_min = _block_bounds(q_pos, k_pos, bq, bk)
     kv_max = jnp.max(kv_lengths)
     # D_i = rowsum(dO * O) - dlse_i: the softmax-Jacobian term; dlse enters as p * dlse.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
@@ -124,7 +139,7 @@ def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static: _Static):
         dq, dk, dv = carry
         k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
         v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-        k_pos = j * bk + jnp.arange(bk)
+        k_pos_j = jax.lax.dynamic_slice_in_dim(k_pos, j * bk, bk, axis=1)
 
         def q_block(i, acc):
             dq, dk_j, dv_j = acc
@@ -132,10 +147,10 @@ def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static: _Static):
             do_i = jax.lax.dynamic_slice_in_dim(do, i * bq, bq, axis=1)
             lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=1)
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=1)
-            q_pos = q_offset[:, None] + i * bq + jnp.arange(bq)
+            q_pos_i = jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1)
             s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
-            mask = _tile_mask(q_pos, k_pos, kv_lengths, static.causal)
+            mask = _tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal)
             lse_t = jnp.transpose(lse_i, (0, 2, 3, 1))[..., None]
             p = jnp.where(mask, jnp.exp(s - lse_t), 0.0)
             dv_j = dv_j + jnp.einsum(
@@ -151,8 +166,9 @@ def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static: _Static):
             dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, axis=1)
             return dq, dk_j, dv_j
 
-        lo = jnp.clip((j * bk - off_max) // bq, 0, n_q) if static.causal else 0
-        lo = jnp.where(j * bk >= kv_max, n_q, lo)
+        # Query blocks that see this key block: a suffix (positions are non-decreasing).
+        lo = jnp.sum(q_max < k_min[j]) if static.causal else 0
+        lo = jnp.where(k_min[j] >= kv_max, n_q, lo)
         zeros = jnp.zeros((B, bk, Hkv, K), jnp.float32)
         dq, dk_j, dv_j = jax.lax.fori_loop(lo, n_q, q_block, (dq, zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, axis=1)
@@ -162,31 +178,59 @@ def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static: _Static):
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
-    dq, dk, dv = jax.lax.fori_loop(0, n_kv, kv_block, (dq, dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return jax.lax.fori_loop(0, n_kv, kv_block, (dq, dk, dv))
 
 
 @eqx.filter_custom_vjp
-def _flash(qkv, kv_lengths, q_offset, static):
+def _flash(qkv, kv_lengths, q_pos, k_pos, static):
     q, k, v = qkv
-    return _forward(q, k, v, kv_lengths, q_offset, static)
+    return _forward(q, k, v, kv_lengths, q_pos, k_pos, static)
 
 
 @_flash.def_fwd
-def _flash_fwd(perturbed, qkv, kv_lengths, q_offset, static):
+def _flash_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, static):
     q, k, v = qkv
-    o, lse = _forward(q, k, v, kv_lengths, q_offset, static)
+    o, lse = _forward(q, k, v, kv_lengths, q_pos, k_pos, static)
     return (o, lse), (o, lse)
 
 
 @_flash.def_bwd
-def _flash_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_offset, static):
+def _flash_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, static):
     q, k, v = qkv
     o, lse = residuals
     do, dlse = grads
     do = jnp.zeros_like(o) if do is None else do
     dlse = jnp.zeros_like(lse) if dlse is None else dlse
-    return _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_offset, static)
+    dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def prepare(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, block_q, block_kv, scale):
+    """Pad to whole blocks, group query heads by key/value head, build position arrays.
+
+    Returns `((q5, k, v), kv_lengths, q_pos, k_pos, static)`, the inputs of the raw
+    `_forward` / `_backward` (used directly by ring attention).
+    """
+    B, T, H, K = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"query heads {H} are not a multiple of key/value heads {Hkv}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != K:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    bq, bk = min(block_q, T), min(block_kv, S)
+    static = _Static(causal, bq, bk, float(K**-0.5 if scale is None else scale))
+    if q_positions is None:
+        q_positions = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1) + jnp.arange(T, dtype=jnp.int32)
+    if k_positions is None:
+        k_positions = jnp.arange(S, dtype=jnp.int32)[None]
+    q_positions = jnp.broadcast_to(q_positions.astype(jnp.int32), (B, T))
+    k_positions = jnp.broadcast_to(k_positions.astype(jnp.int32), (B, S))
+    kv_lengths = jnp.full((B,), S, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    Tp, Sp = _cdiv(T, bq) * bq, _cdiv(S, bk) * bk
+    q_pos = jnp.pad(q_positions, ((0, 0), (0, Tp - T)), constant_values=-1)
+    k_pos = jnp.pad(k_positions, ((0, 0), (0, Sp - S)), constant_values=_NO_POSITION)
+    q5 = _pad_axis(q, Tp, 1).reshape(B, Tp, Hkv, H // Hkv, K)
+    return (q5, _pad_axis(k, Sp, 1), _pad_axis(v, Sp, 1)), kv_lengths, q_pos, k_pos, static
 
 
 def flash_attention(
@@ -196,6 +240,8 @@ def flash_attention(
     *,
     kv_lengths: Int[Array, " batch"] | None = None,
     q_offset: int | Int[Array, " batch"] = 0,
+    q_positions: Int[Array, "batch q_seq"] | None = None,
+    k_positions: Int[Array, "batch kv_seq"] | None = None,
     causal: bool = True,
     block_q: int = 512,
     block_kv: int = 512,
@@ -206,9 +252,11 @@ def flash_attention(
     **Arguments:**
 
     - `q`, `k`, `v`: queries, keys and values; `heads` must be a multiple of `kv_heads`.
-    - `kv_lengths`: number of valid keys per sequence (default: all `kv_seq`).
+    - `kv_lengths`: keys at positions `>= kv_lengths[b]` are invisible (default: none).
     - `q_offset`: position of the first query per sequence (scalar or `[batch]`).
-    - `causal`: whether key `j` is hidden from queries at positions `< j`.
+    - `q_positions`, `k_positions`: explicit positions, non-decreasing along each
+      row (default: `q_offset + arange`, `arange`).
+    - `causal`: whether keys at later positions than a query are hidden from it.
     - `block_q`, `block_kv`: tile sizes (clipped to the sequence lengths; any
       length works, the last block is padded and masked).
     - `scale`: score scale, default `1/sqrt(head_dim)`.
@@ -218,16 +266,10 @@ def flash_attention(
     differentiable.
     """
     B, T, H, K = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    if H % Hkv:
-        raise ValueError(f"query heads {H} are not a multiple of key/value heads {Hkv}")
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != K:
-        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    bq, bk = min(block_q, T), min(block_kv, S)
-    static = _Static(causal, bq, bk, float(K**-0.5 if scale is None else scale))
-    kv_lengths = jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.minimum(kv_lengths, S)
-    q_offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
-    Tp, Sp = _cdiv(T, bq) * bq, _cdiv(S, bk) * bk
-    q5 = _pad_axis(q, Tp, 1).reshape(B, Tp, Hkv, H // Hkv, K)
-    o, lse = _flash((q5, _pad_axis(k, Sp, 1), _pad_axis(v, Sp, 1)), kv_lengths.astype(jnp.int32), q_offset, static)
+    qkv, kv_lengths, q_pos, k_pos, static = prepare(
+        q, k, v, kv_lengths=kv_lengths, q_positions=q_positions, k_positions=k_positions, q_offset=q_offset,
+        causal=causal, block_q=block_q, block_kv=block_kv, scale=scale,
+    )
+    o, lse = _flash(qkv, kv_lengths, q_pos, k_pos, static)
+    Tp = q_pos.shape[1]
     return o.reshape(B, Tp, H, K)[:, :T], lse.reshape(B, Tp, H)[:, :T]

@@ -18,6 +18,7 @@ from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
+from ..sharding import constrain
 from .config import TransformerConfig
 
 
@@ -118,7 +119,8 @@ class CausalLM(eqx.Module):
         x, cache = run_stack(
             self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, cache=cache, positions=positions
         )
-        return self.model.norm(x), cache
+        # The LM head reads whole sequences (gathered again under sequence parallelism).
+        return constrain(self.model.norm(x), ("batch", "seq", "act_embed")), cache
 
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` tokens."""
