@@ -10,6 +10,11 @@ Stages are cumulative; each changes exactly one thing:
 | 3 | per-layer checkpointing (`remat="full"`: only layer-boundary activations kept) |
 | 4 | chunked LM head for the loss (training; sampling unchanged) |
 | 5 | sequence parallelism: activations between blocks split over the sequence on `tp` (training) |
+| 6 | chunked prefill, 512 positions at a time (sampling) |
+| 7 | int8 KV cache with a float32 scale per token and kv head (sampling) |
+| 8 | shared prompt KV for n=8 samples per prompt (sampling; batch = samples, prompts = batch / 8) |
+
+A stage that does not apply to the mode repeats the previous stage's figures.
 
 `--measure compile` (default) lowers and compiles the real jitted `train_step` /
 `prefill` + `decode` with abstract, sharded inputs and reads per-device memory from
@@ -46,7 +51,16 @@ STAGES = {
     3: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=0),
     4: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192),
     5: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192, sequence_parallel=True),
+    6: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192, sequence_parallel=True,
+            prefill_chunk_size=512),
+    7: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192, sequence_parallel=True,
+            prefill_chunk_size=512, kv_cache_dtype="int8"),
+    8: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192, sequence_parallel=True,
+            prefill_chunk_size=512, kv_cache_dtype="int8", n=8),
 }
+SETTINGS = ("attention", "skip_full_logits", "remat", "loss_chunk_size", "sequence_parallel", "prefill_chunk_size",
+            "kv_cache_dtype", "n")
+DEFAULTS = dict(sequence_parallel=False, prefill_chunk_size=None, kv_cache_dtype="bfloat16", n=1)
 
 
 @dataclasses.dataclass
@@ -66,7 +80,7 @@ class Args:
     mem_fraction: float = 0.75
     """JAX's default allocator cap: the budget is device_memory_gib * mem_fraction."""
     stage: int | None = None
-    """Run one stage (0-5); default: all."""
+    """Run one stage (0-8); default: all."""
     measure: Literal["compile", "run"] = "compile"
     target: Literal["a100-40gb", "h100-80gb", "cpu"] = "a100-40gb"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -77,11 +91,14 @@ class Args:
     loss_chunk_size: int | None = None
     """Tokens per LM-head chunk; 0 = unchunked."""
     sequence_parallel: bool | None = None
+    kv_cache_dtype: Literal["bfloat16", "float32", "int8"] | None = None
+    n: int | None = None
+    """Samples per prompt sharing the prompt's KV (sampling); batch sizes count samples."""
     full_finetune: bool = False
     """Train all weights instead of LoRA rank-32 adapters on every projection (frozen base)."""
     lora_rank: int = 32
     prefill_chunk_size: int | None = None
-    """Prefill this many positions at a time (default: the whole prompt)."""
+    """Prefill this many positions at a time (default: the stage's; whole prompt before stage 6)."""
     run_steps: int = 3
     """--measure run: timed steps after one warm-up step."""
     single: str | None = None
@@ -89,9 +106,8 @@ class Args:
 
 
 def stage_settings(args: Args, stage: int) -> dict:
-    s = dict(STAGES[stage])
-    s.setdefault("sequence_parallel", False)
-    for key in ("attention", "skip_full_logits", "remat", "loss_chunk_size", "sequence_parallel"):
+    s = dict(DEFAULTS, **STAGES[stage])
+    for key in SETTINGS:
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
     if s["attention"] == "flash":
@@ -138,10 +154,12 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
         figures = {"train_step": MemoryFigures.of(compiled)}
         comms = format_summary(per_layer_summary(compiled.as_text(), model.config.num_hidden_layers))
     else:
+        if batch % settings["n"]:
+            return dict(bytes=None, phase="-", seconds=0.0, skipped=True)
         compiled = compile_sampling(
             model, mesh, batch, seq_len // 2, seq_len - seq_len // 2, compute=_compute(settings),
-            cache_dtype=model.dtype if hasattr(model, "dtype") else jnp.bfloat16,
-            prefill_chunk=args.prefill_chunk_size, full_logits=not settings["skip_full_logits"],
+            cache_dtype=jnp.dtype(settings["kv_cache_dtype"]), prefill_chunk=settings["prefill_chunk_size"],
+            full_logits=not settings["skip_full_logits"], n=settings["n"],
         )
         figures = {k: MemoryFigures.of(v) for k, v in compiled.items()}
     phase, peak = max(figures.items(), key=lambda kv: kv[1].total)
@@ -189,9 +207,11 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
     else:
         prompts = rng.integers(0, config.vocab_size, (batch, seq_len // 2)).tolist()
         params = SamplingParams(max_new_tokens=seq_len - seq_len // 2, temperature=1.0, stop_token_ids=())
+        n = settings["n"]
         for i in range(args.run_steps + 1):
             t = time.perf_counter()
-            generate(model, prompts, params, prefill_chunk_size=args.prefill_chunk_size, compute=_compute(settings))
+            generate(model, prompts[: max(1, batch // n)], params, n=n, prefill_chunk_size=settings["prefill_chunk_size"],
+                     cache_dtype=settings["kv_cache_dtype"], compute=_compute(settings))
             times.append(time.perf_counter() - t)
     device = jax.devices()[0]
     if device.platform == "gpu":
@@ -314,6 +334,8 @@ def main(args: Args) -> None:
                     r = measure_compile(args, stage, T, b, mesh, model)
                 else:
                     r = measure_run(args, stage, T, b)
+                if r.get("skipped"):
+                    continue
                 fits = r["bytes"] is not None and r["bytes"] <= budget
                 rows.append(dict(r, experiment=args.experiment_name, mode=args.mode, stage=stage, seq_len=T, batch=b,
                                  target=args.target, tp=args.tp, measure=args.measure, fits=fits))

@@ -16,15 +16,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
 from .layers.attention import AttentionMask
-from .layers.kv_cache import KVCache
+from .layers.kv_cache import KVCache, SharedPrefixCache
 from .models import CausalLM
 from .sampling import SamplerArrays, SamplingParams, sample_batch
-from .sharding import constrain, current_mesh, logical_to_spec, mesh_context
+from .sharding import constrain, current_mesh, mesh_context, tree_shardings
 
 STOP_REASONS = ("running", "stop", "length")
 
@@ -42,9 +41,9 @@ class Generation:
 class DecodeState(eqx.Module):
     """Everything the decode loop carries between steps."""
 
-    cache: KVCache
+    cache: KVCache | SharedPrefixCache
     logits: Float[Array, "batch vocab"]  # next-token logits of each sequence
-    lengths: Int[Array, " batch"]  # tokens in the cache (prompt + generated so far)
+    lengths: Int[Array, " batch"]  # position of the next token (prompt + generated so far)
     generated: Int[Array, " batch"]  # new tokens produced so far
     done: Int[Array, " batch"]  # 0 running, 1 stop token, 2 length limit
     tokens: Int[Array, "batch max_new"]
@@ -125,13 +124,12 @@ def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_step
         hit_stop = jnp.any(token[:, None] == sampler.stop_ids, axis=-1)
         done = jnp.where(running & hit_stop, 1, s.done)
         done = jnp.where((done == 0) & (generated >= sampler.max_new), 2, done)
-        positions = s.lengths[:, None]
+        if isinstance(s.cache, SharedPrefixCache):  # own completion slots; the prompt is shared
+            mask = AttentionMask(kv_lengths=s.generated + 1, q_offset=s.generated)
+        else:
+            mask = AttentionMask(kv_lengths=s.lengths + 1, q_offset=s.lengths)
         hidden, cache = model.hidden_states(
-            token[:, None],
-            positions=positions,
-            mask=AttentionMask(kv_lengths=s.lengths + 1, q_offset=s.lengths),
-            compute=compute,
-            cache=s.cache,
+            token[:, None], positions=s.lengths[:, None], mask=mask, compute=compute, cache=s.cache
         )
         logits = _last_token_logits(model, hidden[:, 0])
         lengths = s.lengths + running
@@ -145,17 +143,18 @@ def _round_up(x: int, m: int) -> int:
 
 
 def new_cache(model: CausalLM, batch: int, max_len: int, dtype=None) -> KVCache:
-    """A zero cache created directly in its sharding (kv heads over `tp`, batch over `dp`)."""
+    """A zero cache (`dtype` may be `"int8"`) created directly in its sharding
+    (kv heads over `tp`, batch over `dp`)."""
     c = model.config
-    shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
     dtype = jnp.dtype(model.dtype if dtype is None else dtype)
+
+    def zeros():
+        return KVCache.zeros(layers=c.num_hidden_layers, batch=batch, max_len=max_len,
+                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype)
+
     mesh = current_mesh()
-    sharding = None
-    if mesh is not None:
-        spec = logical_to_spec(("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim"), shape, mesh)
-        sharding = NamedSharding(mesh, spec)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache(zeros(), zeros())
+    shardings = None if mesh is None else tree_shardings(jax.eval_shape(zeros), mesh)
+    return jax.jit(zeros, out_shardings=shardings)()
 
 
 def _normalise_params(params, n: int) -> list[SamplingParams]:
@@ -172,6 +171,8 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     *,
+    n: int = 1,
+    share_prefix: bool = True,
     prefill_chunk_size: int | None = None,
     cache_dtype=None,
     compute: ComputeConfig = ComputeConfig(),
@@ -185,17 +186,25 @@ def generate(
     - `model`: the model (possibly sharded; its mesh is used).
     - `prompts`: token-id lists, of any (different) lengths >= 1.
     - `params`: one `SamplingParams` for all prompts, or one per prompt.
+    - `n`: samples per prompt; sample `j` has its own seed stream (see `SamplingParams.seed`).
+    - `share_prefix`: with `n > 1`, prefill each prompt once and store its keys/values
+      once for its `n` samples (exact: the attention parts are merged by their
+      log-sum-exp); `False` repeats the prompt `n` times instead (same results).
     - `prefill_chunk_size`: prefill this many positions at a time (default: all at once).
-    - `cache_dtype`: KV-cache dtype (default: the model's dtype).
+    - `cache_dtype`: KV-cache dtype (default: the model's dtype); `"int8"` stores int8
+      values with a float32 scale per token and head.
     - `compute`: attention implementation etc.
     - `stream_every`, `on_tokens`: call `on_tokens(new tokens per sequence)` every
       `stream_every` decode steps (the decode loop runs in segments between calls).
 
-    **Returns:** one `Generation` per prompt, in order.
+    **Returns:** `len(prompts) * n` `Generation`s, prompt-major: sample `j` of prompt
+    `i` is at index `i * n + j`.
     """
     config = model.config
     if not prompts:
         raise ValueError("no prompts")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
     prompts = [list(map(int, p)) for p in prompts]
     params = _normalise_params(params, len(prompts))
     limit = config.max_position_embeddings
@@ -213,41 +222,56 @@ def generate(
             raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
     if prefill_chunk_size is not None and prefill_chunk_size < 1:
         raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+    shared = share_prefix and n > 1
+    if n > 1 and not shared:  # the plain path: every sample carries its own copy of the prompt
+        prompts = [p for p in prompts for _ in range(n)]
+        params = [sp for sp in params for _ in range(n)]
 
-    B = len(prompts)
+    P = len(prompts)  # sequences prefilled
+    S = P * n if shared else P  # sequences decoded
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     longest = int(lengths.max())
     chunk = prefill_chunk_size or _round_up(longest, 16)
     T = _round_up(longest, chunk)
     max_new = max(sp.max_new_tokens for sp in params)
-    max_len = _round_up(int(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))), 16)
-    tokens = np.zeros((B, T), np.int32)
+    tokens = np.zeros((P, T), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    sampler = SamplerArrays.from_params(params, config.eos_token_ids, config.vocab_size)
+    sample_params = [sp for sp in params for _ in range(n)] if shared else params
+    samples = list(range(n)) * (S // n)  # sample j of each prompt: its own seed stream
+    sampler = SamplerArrays.from_params(sample_params, config.eos_token_ids, config.vocab_size, samples)
 
     with mesh_context(model):
-        cache = new_cache(model, B, max_len, cache_dtype)
+        if shared:
+            cache = new_cache(model, P, _round_up(longest, 16), cache_dtype)
+        else:
+            needed = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+            cache = new_cache(model, P, _round_up(needed, 16), cache_dtype)
         cache, logits = prefill(model, cache, jnp.asarray(tokens), jnp.asarray(lengths), chunk=chunk, compute=compute)
+        if shared:  # the completion caches exist only after prefill: peak = max, not sum
+            completion = new_cache(model, S, _round_up(max_new, 16), cache_dtype)
+            cache = SharedPrefixCache(cache, completion, jnp.asarray(lengths))
+            logits = jnp.repeat(logits, n, axis=0)
+            lengths = np.repeat(lengths, n)
         state = DecodeState(
             cache=cache,
             logits=logits,
             lengths=jnp.asarray(lengths),
-            generated=jnp.zeros((B,), jnp.int32),
-            done=jnp.zeros((B,), jnp.int32),
-            tokens=jnp.zeros((B, max_new), jnp.int32),
-            logprobs=jnp.zeros((B, max_new), jnp.float32),
+            generated=jnp.zeros((S,), jnp.int32),
+            done=jnp.zeros((S,), jnp.int32),
+            tokens=jnp.zeros((S, max_new), jnp.int32),
+            logprobs=jnp.zeros((S, max_new), jnp.float32),
             step=jnp.zeros((), jnp.int32),
         )
         segment = stream_every or max_new
-        shown = np.zeros((B,), np.int64)
+        shown = np.zeros((S,), np.int64)
         while True:
             state = decode(model, state, sampler, jnp.asarray(segment, jnp.int32), compute=compute)
             done = np.asarray(state.done)
             if on_tokens is not None:
                 generated = np.asarray(state.generated)
                 toks = np.asarray(state.tokens)
-                on_tokens([toks[b, shown[b] : generated[b]].tolist() for b in range(B)])
+                on_tokens([toks[b, shown[b] : generated[b]].tolist() for b in range(S)])
                 shown = generated.astype(np.int64)
             if (done != 0).all() or int(state.step) >= max_new:
                 break
@@ -256,7 +280,7 @@ def generate(
     toks, logps, done = np.asarray(state.tokens), np.asarray(state.logprobs), np.asarray(state.done)
     return [
         Generation(toks[b, : generated[b]].tolist(), logps[b, : generated[b]].tolist(), STOP_REASONS[done[b]])
-        for b in range(B)
+        for b in range(S)
     ]
 
 
@@ -277,3 +301,48 @@ def generate_text(
         toks = r.tokens[:-1] if r.stop_reason == "stop" else r.tokens
         texts.append(tokenizer.decode(toks))
     return texts
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "compute"))
+def _teacher_forced(model: CausalLM, cache, tokens, lengths, continuation, *, chunk: int, compute: ComputeConfig):
+    cache, logits = prefill(model, cache, tokens, lengths, chunk=chunk, compute=compute)
+
+    def step(carry, token):
+        cache, position = carry
+        hidden, cache = model.hidden_states(
+            token[:, None], positions=position[:, None],
+            mask=AttentionMask(kv_lengths=position + 1, q_offset=position), compute=compute, cache=cache,
+        )
+        return (cache, position + 1), _last_token_logits(model, hidden[:, 0])
+
+    _, rest = jax.lax.scan(step, (cache, lengths), continuation.T[:-1])
+    return jnp.concatenate([logits[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
+
+
+def teacher_forced_logits(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    cache_dtype=None,
+    prefill_chunk_size: int | None = None,
+    compute: ComputeConfig = ComputeConfig(),
+) -> Float[Array, "batch steps vocab"]:
+    """The decode path's logits before each continuation token, feeding the given
+    tokens instead of sampling (for measuring cache quantization; `[batch, steps,
+    vocab]` float32, so for small vocabularies and step counts).
+
+    Continuations must all have the same length `steps`."""
+    steps = {len(c) for c in continuations}
+    if len(steps) != 1 or len(continuations) != len(prompts):
+        raise ValueError("one continuation per prompt, all of the same length")
+    steps = steps.pop()
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    chunk = prefill_chunk_size or _round_up(int(lengths.max()), 16)
+    tokens = np.zeros((len(prompts), _round_up(int(lengths.max()), chunk)), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    with mesh_context(model):
+        cache = new_cache(model, len(prompts), _round_up(int(lengths.max()) + steps, 16), cache_dtype)
+        return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                               jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .compute import ComputeConfig
 from .generation import DecodeState, prefill, decode
-from .layers.kv_cache import KV_AXES, KVCache
+from .layers.kv_cache import KVCache, SharedPrefixCache
 from .layers.lora import apply_lora, lora_filter
 from .loading import abstract_model
 from .models.config import TransformerConfig
@@ -134,9 +134,12 @@ def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfi
 
 
 def abstract_cache(config: TransformerConfig, mesh, batch: int, max_len: int, dtype) -> KVCache:
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
-    kv = _sds(shape, dtype, mesh, "layers", *KV_AXES)
-    return KVCache(kv, kv)
+    """A sharded abstract `KVCache` (`dtype` int8: with its float32 scales)."""
+    cache = jax.eval_shape(lambda: KVCache.zeros(
+        layers=config.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, dtype=dtype,
+    ))
+    return _with_shardings(cache, mesh)
 
 
 def compile_sampling(
@@ -150,18 +153,29 @@ def compile_sampling(
     cache_dtype=jnp.bfloat16,
     prefill_chunk: int | None = None,
     full_logits: bool = False,
+    n: int = 1,
 ):
-    """Compile the real `prefill` and `decode` for `batch` prompts of `prompt_len`
-    tokens and `new_tokens` new tokens; returns `{"prefill": compiled, "decode": compiled}`."""
+    """Compile the real `prefill` and `decode` for `batch` sequences: prompts of
+    `prompt_len` tokens, `new_tokens` new tokens each. With `n > 1` the `batch`
+    sequences are `n` samples of `batch / n` prompts sharing each prompt's cache.
+    Returns `{"prefill": compiled, "decode": compiled}`."""
     config = model.config
     V = config.vocab_size
-    max_len = prompt_len + new_tokens
+    if batch % n:
+        raise ValueError(f"batch {batch} is not a multiple of n={n}")
+    prompts = batch // n
     chunk = prefill_chunk or prompt_len
-    cache = abstract_cache(config, mesh, batch, max_len, cache_dtype)
-    tokens = _sds((batch, prompt_len), jnp.int32, mesh, "batch")
+    tokens = _sds((prompts, -(-prompt_len // chunk) * chunk), jnp.int32, mesh, "batch")
+    prompt_lengths = _sds((prompts,), jnp.int32, mesh, "batch")
+    if n == 1:
+        cache = decode_cache = abstract_cache(config, mesh, batch, prompt_len + new_tokens, cache_dtype)
+    else:
+        cache = abstract_cache(config, mesh, prompts, prompt_len, cache_dtype)
+        completion = abstract_cache(config, mesh, batch, new_tokens, cache_dtype)
+        decode_cache = SharedPrefixCache(cache, completion, prompt_lengths)
     lengths = _sds((batch,), jnp.int32, mesh, "batch")
     state = DecodeState(
-        cache=cache,
+        cache=decode_cache,
         logits=_sds((batch, V), jnp.float32, mesh, "batch", "act_vocab"),
         lengths=lengths,
         generated=lengths,
@@ -173,6 +187,6 @@ def compile_sampling(
     sampler = jax.eval_shape(lambda: SamplerArrays.from_params([SamplingParams()] * batch, (0,), V))
     sampler = jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh, "batch"), sampler)
     with jax.set_mesh(mesh):
-        pre = prefill.lower(model, cache, tokens, lengths, chunk=chunk, compute=compute, full_logits=full_logits)
+        pre = prefill.lower(model, cache, tokens, prompt_lengths, chunk=chunk, compute=compute, full_logits=full_logits)
         dec = decode.lower(model, state, sampler, jax.ShapeDtypeStruct((), jnp.int32), compute=compute)
         return {"prefill": pre.compile(), "decode": dec.compile()}

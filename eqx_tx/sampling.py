@@ -19,8 +19,9 @@ class SamplingParams:
     - `top_k`: keep the `k` most likely tokens (`0`: all).
     - `top_p`: keep the smallest set of most likely tokens whose probability reaches
       `p` (`1.0`: all). Applied after top-k, as Hugging Face does.
-    - `seed`: the request's random seed. Token `i` is drawn with
-      `fold_in(key(seed), i)`, so the output does not depend on the batch.
+    - `seed`: the request's random seed. Token `i` of sample `j` (of `n`) is drawn
+      with `fold_in(fold_in(key(seed), j), i)`, so the output does not depend on the
+      batch, and each of the `n` samples has its own stream.
     - `stop_token_ids`: stop after producing any of these (stop reason `"stop"`);
       `None` uses the model's `eos_token_id`.
     """
@@ -50,11 +51,14 @@ class SamplerArrays(eqx.Module):
     top_k: Int[Array, " batch"]
     top_p: Float[Array, " batch"]
     seed: Int[Array, " batch"]
+    sample: Int[Array, " batch"]  # which of a request's n samples (its own seed stream)
     max_new: Int[Array, " batch"]
     stop_ids: Int[Array, "batch n_stop"]  # padded with -1
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], default_stop: tuple[int, ...], vocab_size: int):
+    def from_params(
+        cls, params: list[SamplingParams], default_stop: tuple[int, ...], vocab_size: int, samples=None
+    ):
         stops = [p.stop_token_ids if p.stop_token_ids is not None else default_stop for p in params]
         width = max(1, max(len(s) for s in stops))
         for stop in stops:
@@ -66,6 +70,7 @@ class SamplerArrays(eqx.Module):
             top_k=jnp.asarray([min(p.top_k, vocab_size) for p in params], jnp.int32),
             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
             seed=jnp.asarray([p.seed for p in params], jnp.uint32),
+            sample=jnp.asarray(samples if samples is not None else [0] * len(params), jnp.uint32),
             max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
             stop_ids=jnp.asarray([list(s) + [-1] * (width - len(s)) for s in stops], jnp.int32),
         )
@@ -105,7 +110,9 @@ def sample_batch(
 ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
     """Sample token `index[b]` of every sequence; returns tokens and their log-probabilities
     under the model's unmodified distribution (`log_softmax` of the raw logits)."""
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(sampler.seed, index)
+    keys = jax.vmap(lambda s, j, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), j), i))(
+        sampler.seed, sampler.sample, index
+    )
     needs_sort = jnp.any((sampler.temperature > 0) & ((sampler.top_k > 0) | (sampler.top_p < 1.0)))
 
     def full(logits):

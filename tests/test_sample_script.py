@@ -46,6 +46,15 @@ def test_samples_several_prompts_and_reports_speed(tiny_dir, tmp_path, capsys):
     assert "24 tokens in" in err and "tokens/s" in err
 
 
+def test_n_samples_with_an_int8_cache(tiny_dir, capsys):
+    sample = _sample_module()
+    sample.main(sample.Args(model=tiny_dir, prompt=["Once upon a time"], n=3, kv_cache_dtype="int8",
+                            max_new_tokens=6, temperature=1.0))
+    out, err = capsys.readouterr()
+    assert all(f"--- [0.{j}] (length) Once upon a time" in out for j in range(3))
+    assert "18 tokens in" in err
+
+
 def test_bad_prompt_inputs(tiny_dir, tmp_path):
     sample = _sample_module()
     with pytest.raises(FileNotFoundError, match="prompts file /nope does not exist"):

@@ -66,16 +66,13 @@ def test_lora_run_exports_adapter_and_merged_model(checkpoints, token_data, tmp_
     assert os.path.isfile(tmp_path / "lora" / "final" / "model.safetensors")
 
 
-def test_default_preset_run_learns_and_saves_an_hf_checkpoint(tmp_path):
+def test_default_preset_run_learns_and_saves_an_hf_checkpoint(trained_tiny):
     import torch
 
     import eqx_tx
     from tests.hf_utils import hf_logits
 
-    train = _train_module()
-    args = train.Args(output_dir=str(tmp_path / "tiny"), steps=40, progress=False)
-    train.main(args)
-    final = str(tmp_path / "tiny" / "final")
+    final = trained_tiny
     assert os.path.isfile(os.path.join(final, "tokenizer.json"))
     model = eqx_tx.load(final, progress=False)
     ids = np.asarray([[5, 17, 33, 2, 90, 11]])

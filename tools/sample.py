@@ -37,7 +37,10 @@ class Args:
     """Stop tokens (default: the model's eos_token_id)."""
     tp: int = 1
     prefill_chunk_size: int | None = None
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    """KV-cache storage (int8: per-token, per-head scales; about half of bf16)."""
+    n: int = 1
+    """Samples per prompt; the prompt's KV is stored once for all of them."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     attention: Literal["auto", "cudnn", "blockwise", "xla"] = "auto"
     stream_every: int = 8
@@ -86,7 +89,7 @@ def main(args: Args) -> None:
     if not os.path.isfile(tokenizer_path):
         raise FileNotFoundError(f"{directory} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
     mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
     params = [
@@ -95,8 +98,12 @@ def main(args: Args) -> None:
         for i in range(len(prompts))
     ]
     ids = [tokenizer.encode(p).ids for p in prompts]
-    produced = [[] for _ in prompts]
-    shown = ["" for _ in prompts]
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    sequences = [p for p in prompts for _ in range(args.n)]  # generate's order: prompt-major
+    labels = [f"{i // args.n}" if args.n == 1 else f"{i // args.n}.{i % args.n}" for i in range(len(sequences))]
+    produced = [[] for _ in sequences]
+    shown = ["" for _ in sequences]
     stops = set(args.stop_token_ids or model.config.eos_token_ids)
 
     first_update = []
@@ -109,15 +116,16 @@ def main(args: Args) -> None:
             text = tokenizer.decode([t for t in produced[i] if t not in stops])
             delta, shown[i] = text[len(shown[i]) :], text
             if delta:
-                prefix = "" if len(prompts) == 1 else f"[{i}] "
-                sys.stdout.write(prefix + delta + ("" if len(prompts) == 1 else "\n"))
+                prefix = "" if len(sequences) == 1 else f"[{labels[i]}] "
+                sys.stdout.write(prefix + delta + ("" if len(sequences) == 1 else "\n"))
         sys.stdout.flush()
 
-    if len(prompts) == 1:
+    if len(sequences) == 1:
         sys.stdout.write(prompts[0])
     start = time.perf_counter()
     results = generate(
         model, ids, params,
+        n=args.n,
         prefill_chunk_size=args.prefill_chunk_size,
         cache_dtype=dtypes[args.kv_cache_dtype],
         compute=eqx_tx.ComputeConfig(attention=args.attention),
@@ -126,9 +134,9 @@ def main(args: Args) -> None:
     )
     elapsed = time.perf_counter() - start
     print()
-    if len(prompts) > 1:
-        for i, (p, r) in enumerate(zip(prompts, results)):
-            print(f"--- [{i}] ({r.stop_reason}) {p}{shown[i]}")
+    if len(sequences) > 1:
+        for i, (p, r) in enumerate(zip(sequences, results)):
+            print(f"--- [{labels[i]}] ({r.stop_reason}) {p}{shown[i]}")
     end = time.perf_counter()
     total = sum(len(r.tokens) for r in results)
     report = f"{total} tokens in {elapsed:.2f} s (first {first_update[0][1]} incl. compile and prefill: " \

@@ -9,7 +9,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..compute import ComputeConfig
 from .._log import log_once
 from ..sharding import constrain, context_parallel_size, current_mesh
-from .kv_cache import KVCache
+from .flash import flash_attention
+from .kv_cache import KVCache, SharedPrefixCache
 from .linear import Linear
 from .norm import RMSNorm
 from .ring import ring_attention
@@ -70,10 +71,10 @@ class Attention(eqx.Module):
         sin: Float[Array, "batch seq head_dim"],
         mask: AttentionMask,
         compute: ComputeConfig,
-        cache: KVCache | None = None,
+        cache: KVCache | SharedPrefixCache | None = None,
         layer: Int[Array, ""] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | SharedPrefixCache | None]:
         """**Arguments:**
 
         - `x`: the normalised hidden states.
@@ -81,7 +82,8 @@ class Attention(eqx.Module):
         - `mask`: which keys each query sees.
         - `compute`: attention implementation and tile sizes.
         - `cache`, `layer`, `positions`: with a cache, this layer's new keys/values
-          are written at slots `positions` and attention reads the whole cache.
+          are written at slots `positions` and attention reads the whole cache. With
+          a `SharedPrefixCache`, `mask` describes each sample's own completion slots.
 
         **Returns:** the attention output (before the residual add) and the cache.
         """
@@ -107,6 +109,9 @@ class Attention(eqx.Module):
             log_once("attention: ring (context parallel over sp), blockwise inside")
             o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
             return self.o_proj(o_bthk), cache
+        if isinstance(cache, SharedPrefixCache):
+            o_bthk, cache = _shared_prefix_attention(q_bthk, k_bthk, v_bthk, cache, layer, positions, mask, compute)
+            return self.o_proj(o_bthk), cache
         if cache is not None:
             cache = cache.write(layer, k_bthk, v_bthk, positions)
             k_bshk, v_bshk = cache.layer(layer)
@@ -125,3 +130,34 @@ class Attention(eqx.Module):
         )
         o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
         return self.o_proj(o_bthk), cache
+
+
+def _shared_prefix_attention(q, k, v, cache: SharedPrefixCache, layer, positions, mask: AttentionMask, compute):
+    """Attention of `P * n` samples over their shared prompt plus their own completion.
+
+    The two parts are computed separately (the prompt part with the `n` samples of
+    a prompt as extra queries of that prompt's row, so nothing is copied) and merged
+    by their log-sum-exp, which is exact.
+    """
+    S, T, H, K = q.shape
+    P, n = cache.prompt_lengths.shape[0], cache.n
+    prompt_lengths = jnp.repeat(cache.prompt_lengths, n)
+    slots = positions - prompt_lengths[:, None]
+    completion = cache.completion.write(layer, k, v, slots)
+    k_own, v_own = completion.layer(layer)
+    blocks = dict(block_q=compute.block_q, block_kv=compute.block_kv)
+    o_own, lse_own = flash_attention(
+        q, k_own, v_own, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset, causal=True, **blocks
+    )
+    k_prompt, v_prompt = cache.prompt.layer(layer)
+    o_pre, lse_pre = flash_attention(
+        q.reshape(P, n * T, H, K), k_prompt, v_prompt, kv_lengths=cache.prompt_lengths, causal=False, **blocks
+    )
+    o_pre, lse_pre = o_pre.reshape(S, T, H, K), lse_pre.reshape(S, T, H)
+    lse = jnp.logaddexp(lse_own, lse_pre)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    o = o_own.astype(jnp.float32) * jnp.exp(lse_own - safe)[..., None]
+    o = o + o_pre.astype(jnp.float32) * jnp.exp(lse_pre - safe)[..., None]
+    log_once("attention: shared prefix (prompt and completion parts, blockwise), merged by log-sum-exp")
+    return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, cache, completion)
+

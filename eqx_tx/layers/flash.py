@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .kv_cache import Quantized
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -37,6 +39,23 @@ class _Static:
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _slice_kv(x, start, size, dtype):
+    """Block `[start, start + size)` of keys or values; int8 blocks are dequantized here."""
+    if isinstance(x, Quantized):
+        block = Quantized(
+            jax.lax.dynamic_slice_in_dim(x.values, start, size, axis=1),
+            jax.lax.dynamic_slice_in_dim(x.scale, start, size, axis=1),
+        )
+        return block.dequantize(dtype)
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _pad_kv(x, size):
+    if isinstance(x, Quantized):
+        return Quantized(_pad_axis(x.values, size, 1), _pad_axis(x.scale, size, 1))
+    return _pad_axis(x, size, 1)
 
 
 def _pad_axis(x, size, axis):
@@ -86,10 +105,10 @@ def _forward(q, k, v, kv_lengths, q_pos, k_pos, static: _Static):
 
         def kv_block(j, acc):
             o, m, l = acc
-            k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
+            k_j = _slice_kv(k, j * bk, bk, q.dtype)
             k_pos_j = jax.lax.dynamic_slice_in_dim(k_pos, j * bk, bk, axis=1)
             # Zero values of invisible keys: stale cache slots may hold anything.
-            v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+            v_j = _slice_kv(v, j * bk, bk, q.dtype)
             v_j = jnp.where((k_pos_j < kv_lengths[:, None])[:, :, None, None], v_j, 0)
             s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
@@ -99,7 +118,7 @@ def _forward(q, k, v, kv_lengths, q_pos, k_pos, static: _Static):
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
             l = alpha * l + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhgqs,bshk->bhgqk", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("bhgqs,bshk->bhgqk", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32)
             return alpha[..., None] * o + pv, m_new, l
 
         o0 = jnp.zeros((B, Hkv, G, bq, K), jnp.float32)
@@ -215,7 +234,7 @@ def prepare(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, 
     S, Hkv = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"query heads {H} are not a multiple of key/value heads {Hkv}")
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != K:
+    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != B or k.shape[3] != K:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     bq, bk = min(block_q, T), min(block_kv, S)
     static = _Static(causal, bq, bk, float(K**-0.5 if scale is None else scale))
@@ -230,7 +249,7 @@ def prepare(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, 
     q_pos = jnp.pad(q_positions, ((0, 0), (0, Tp - T)), constant_values=-1)
     k_pos = jnp.pad(k_positions, ((0, 0), (0, Sp - S)), constant_values=_NO_POSITION)
     q5 = _pad_axis(q, Tp, 1).reshape(B, Tp, Hkv, H // Hkv, K)
-    return (q5, _pad_axis(k, Sp, 1), _pad_axis(v, Sp, 1)), kv_lengths, q_pos, k_pos, static
+    return (q5, _pad_kv(k, Sp), _pad_kv(v, Sp)), kv_lengths, q_pos, k_pos, static
 
 
 def flash_attention(
@@ -252,6 +271,8 @@ def flash_attention(
     **Arguments:**
 
     - `q`, `k`, `v`: queries, keys and values; `heads` must be a multiple of `kv_heads`.
+      Keys and values may be `Quantized` (int8 cache; forward only): each block is
+      dequantized as it is read.
     - `kv_lengths`: keys at positions `>= kv_lengths[b]` are invisible (default: none).
     - `q_offset`: position of the first query per sequence (scalar or `[batch]`).
     - `q_positions`, `k_positions`: explicit positions, non-decreasing along each

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from .._log import log_once
 from .flash import flash_attention
+from .kv_cache import Quantized
 
 Implementation = Literal["auto", "cudnn", "blockwise", "xla"]
 IMPLEMENTATIONS = ("auto", "cudnn", "blockwise", "xla")
@@ -116,6 +117,14 @@ def dot_product_attention(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
     T, S = q.shape[1], k.shape[1]
+    if isinstance(k, Quantized):
+        if implementation == "cudnn":
+            raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
+        if implementation == "xla":  # the reference: dequantizes the whole layer
+            k, v = k.dequantize(q.dtype), v.dequantize(q.dtype)
+        else:
+            log_once("attention: blockwise, because the KV cache is int8 (dequantized block by block)")
+            implementation = "blockwise"
     single_query = T == 1 and causal
     impl = implementation
     if impl == "auto":
