@@ -6,7 +6,8 @@ import torch
 torch.manual_seed(0)
 
 # Small configs that cover MHA and GQA, tied and untied embeddings, head_dim !=
-# hidden/heads, odd vocab sizes and attention biases.
+# hidden/heads, odd vocab sizes and attention biases; `architectures` picks the family
+# (default Qwen3).
 CONFIGS = {
     "mha_tied": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=4, head_dim=8, tie_word_embeddings=True),
@@ -15,6 +16,14 @@ CONFIGS = {
     "gqa4_bias": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
                       attention_bias=True, rope_theta=1000.0),
+    # Llama 3 with llama3 RoPE scaling: the tests' sequences run past original_max_position_embeddings.
+    "llama3": dict(architectures="LlamaForCausalLM", vocab_size=96, hidden_size=48, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
+                   attention_bias=True, mlp_bias=True, max_position_embeddings=256,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    "qwen2": dict(architectures="Qwen2ForCausalLM", vocab_size=100, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
 
 # Divides over tp = 2, 4, 8 (kv heads over 2 and 4 only): used by the sharding tests.
@@ -22,13 +31,14 @@ TP_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidd
                  num_attention_heads=8, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)
 
 
-def make_hf_checkpoint(directory, *, seed: int = 0, dtype=torch.float32, **config):
-    """Save a randomly initialised `Qwen3ForCausalLM` with `save_pretrained`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def make_hf_checkpoint(directory, *, seed: int = 0, dtype=torch.float32, architectures="Qwen3ForCausalLM", **config):
+    """Save a randomly initialised HF model (`Qwen3ForCausalLM` by default) with `save_pretrained`."""
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**config)
-    model = Qwen3ForCausalLM(cfg).to(dtype)
+    model_cls = getattr(transformers, architectures)
+    cfg = model_cls.config_class(**config)
+    model = model_cls(cfg).to(dtype)
     with torch.no_grad():  # HF init leaves norms at 1 and biases at 0: perturb them too
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("bias"):

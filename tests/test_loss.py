@@ -27,8 +27,15 @@ def _loss(logp_fn, model, ids, tgt, mask, w):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, 512, 10_000])
-def test_chunked_equals_unchunked_values_and_grads(checkpoint, chunk_size):
-    _, path = checkpoint
+def test_chunked_equals_unchunked_values_and_grads(checkpoints, chunk_size):
+    _check_chunked(checkpoints["gqa_untied"], chunk_size)
+
+
+def test_chunked_equals_unchunked_every_family(checkpoint):
+    _check_chunked(checkpoint[1], 7)
+
+
+def _check_chunked(path, chunk_size):
     model = eqx_tx.load(path, progress=False)
     ids, mask = ragged_batch(model.config.vocab_size, LENGTHS, seed=4)
     ids = jnp.asarray(ids)

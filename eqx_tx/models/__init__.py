@@ -1,11 +1,13 @@
 """Model families. `config_from_hf` picks the family from `architectures`."""
 
 from .config import TransformerConfig
+from .llama import LlamaConfig
+from .qwen2 import Qwen2Config
 from .qwen3 import Qwen3Config
 from .transformer import CausalLM
 
 FAMILIES: dict[str, type[TransformerConfig]] = {
-    Qwen3Config.architecture: Qwen3Config,
+    c.architecture: c for c in (Qwen3Config, LlamaConfig, Qwen2Config)
 }
 
 
@@ -21,4 +23,4 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     )
 
 
-__all__ = ["CausalLM", "FAMILIES", "Qwen3Config", "TransformerConfig", "config_from_hf"]
+__all__ = ["CausalLM", "FAMILIES", "LlamaConfig", "Qwen2Config", "Qwen3Config", "TransformerConfig", "config_from_hf"]

@@ -94,3 +94,58 @@ def eos_from_hf(value) -> int | tuple[int, ...] | None:
     if value is None or isinstance(value, int):
         return value
     return tuple(value)
+
+
+def common_from_hf(hf: dict) -> dict:
+    """The fields every family reads the same way from `config.json`."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported")
+    heads = int(require(hf, "num_attention_heads"))
+    hidden = int(require(hf, "hidden_size"))
+    return dict(
+        vocab_size=int(require(hf, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(require(hf, "intermediate_size")),
+        num_hidden_layers=int(require(hf, "num_hidden_layers")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig.from_hf(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(require(hf, "max_position_embeddings")),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos_from_hf(hf.get("eos_token_id")),
+    )
+
+
+def common_to_hf(config: TransformerConfig, **extra) -> dict:
+    """The `config.json` fields every family writes the same way, plus `extra`."""
+    c = config
+    eos = list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id
+    return {
+        "architectures": [c.architecture],
+        "model_type": c.model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope.theta,
+        "rope_scaling": None if c.rope.rope_type == "default" else c.rope.to_hf(),
+        "rope_parameters": c.rope.to_hf(),
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_dropout": 0.0,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos,
+        **extra,
+    }
+

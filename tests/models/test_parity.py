@@ -1,4 +1,4 @@
-"""Qwen3 against HF PyTorch: logits, gradients, remat policies, attention kernels."""
+"""Every family against HF PyTorch: logits, gradients, remat policies, attention kernels."""
 
 import equinox as eqx
 import jax
