@@ -11,7 +11,8 @@ from jax.sharding import SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .fileio import atomic_directory
+from .distributed import to_host
+from .fileio import atomic_directory, barrier
 from .hf_params import hf_tensors
 from .layers.lora import apply_lora, lora_settings
 from .loading import read_arrays
@@ -34,7 +35,7 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
     settings = lora_settings(model)
     tensors = {}
     for spec in _adapter_specs(model):
-        arr = np.asarray(jax.device_get(spec.get(model)))
+        arr = to_host(spec.get(model))
         for i, name in enumerate(spec.hf_names()):
             tensors[PEFT_PREFIX + name] = np.ascontiguousarray(spec.to_hf(arr[i] if spec.stacked else arr))
     config = {
@@ -53,10 +54,12 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
         "modules_to_save": None,
         "base_model_name_or_path": base_model_name_or_path,
     }
-    with atomic_directory(directory) as tmp:
-        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(config, f, indent=2)
+    if jax.process_index() == 0:  # multi-host: every process gathered, process 0 writes
+        with atomic_directory(directory) as tmp:
+            save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+                json.dump(config, f, indent=2)
+    barrier("eqx_tx-save-adapter")
 
 
 def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32):
@@ -86,7 +89,7 @@ def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32):
         raise KeyError(f"{weights_path}: missing {missing[:5]}, unexpected {extra[:5]}")
     mesh = mesh_of(model)
     if mesh is None:
-        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), with_lora)
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), with_lora)
     else:
         shardings = tree_shardings(eqx.filter(with_lora, eqx.is_array), mesh, RULES)
     arrays = read_arrays(specs, {n: weights_path for n in names}, shardings, dtype, where=directory, prefix=PEFT_PREFIX)

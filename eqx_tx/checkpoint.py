@@ -1,24 +1,46 @@
 """Training checkpoints: trainable parameters, optimizer state, step, data position.
 
-A checkpoint is a directory with `state.safetensors` (one tensor per leaf, keyed by
-its pytree path) and `metadata.json`, written atomically (a crash mid-save leaves
-the previous checkpoint intact). The frozen part of the model (the base weights of
-a LoRA run) is not saved: it is reloaded from its own checkpoint.
+Layout (`root` is e.g. `runs/tiny/checkpoint`):
+
+    root/step_00000005/shards-00000.safetensors   # the shards process 0 holds
+    root/step_00000005/shards-00001.safetensors   # ... process 1 (multi-host)
+    root/step_00000005/metadata.json              # step, data position, run settings
+    root/step_00000005/COMMITTED                  # written last, by process 0
+
+Every process writes the shards it holds (one replica of each, never gathering the
+model on one host); after a barrier, process 0 writes `metadata.json` and then the
+`COMMITTED` marker, and only then deletes older checkpoints. A step directory
+without the marker is an interrupted save: it is never resumed from, and opening
+it directly is an error saying so. Restoring reads, on every device, only the parts
+of the stored shards that overlap the slice that device holds, so a checkpoint
+saved with one number of processes (or mesh) resumes with another.
+
+The frozen part of the model (the base weights of a LoRA run) is not saved: it is
+reloaded from its own checkpoint.
 """
 
 import json
 import os
+import re
+import shutil
 
 import jax
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .fileio import atomic_directory
+from .fileio import barrier, fsync_dir
+from .loading import host_device
 from .training import TrainState
 
-STATE_FILE = "state.safetensors"
 METADATA_FILE = "metadata.json"
+COMMIT_MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_KEEP = 2  # committed checkpoints kept
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A checkpoint directory whose save did not finish (no commit marker)."""
 
 
 def _saved_part(state: TrainState):
@@ -30,52 +52,135 @@ def _flat(tree) -> list[tuple[str, object]]:
     return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
 
 
-def save_checkpoint(directory: str | os.PathLike, state: TrainState, *, metadata: dict) -> None:
-    """Write `state` (minus the frozen weights) and `metadata` (JSON) atomically."""
-    tensors = {key: np.asarray(jax.device_get(leaf)) for key, leaf in _flat(_saved_part(state))}
-    meta = dict(metadata, step=int(state.step))
-    with atomic_directory(directory) as tmp:
-        save_file(tensors, os.path.join(tmp, STATE_FILE))
-        with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+def _box_key(name: str, index: tuple, shape: tuple) -> str:
+    box = ",".join(f"{s.start or 0}:{s.stop if s.stop is not None else n}" for s, n in zip(index, shape))
+    return f"{name}|{box}"
+
+
+def _parse_box_key(key: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+    name, box = key.rsplit("|", 1)
+    return name, tuple(tuple(int(x) for x in part.split(":")) for part in box.split(",") if part)
+
+
+def _fault_injection(step: int) -> None:
+    """`EQX_TX_KILL_DURING_SAVE=<process>:<step>`: die after writing this process's
+    shards of that step, before the commit (used by the tests of interrupted saves)."""
+    spec = os.environ.get("EQX_TX_KILL_DURING_SAVE")
+    if spec and spec == f"{jax.process_index()}:{step}":
+        os._exit(17)
+
+
+def save_checkpoint(root: str | os.PathLike, state: TrainState, *, metadata: dict) -> str:
+    """Write `state` (minus the frozen weights) and `metadata` as `root/step_<step>`.
+
+    Every process must call this (it contains barriers). **Returns** the step directory.
+    """
+    step = int(np.asarray(state.step.addressable_shards[0].data))  # replicated: every process has it
+    directory = os.path.join(os.fspath(root), f"step_{step:08d}")
+    if jax.process_index() == 0:
+        if os.path.exists(directory):  # an interrupted earlier attempt at this step
+            shutil.rmtree(directory)
+        os.makedirs(directory)
+    barrier(f"checkpoint-{step}-open")
+    tensors = {}
+    for name, leaf in _flat(_saved_part(state)):
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                tensors[_box_key(name, shard.index, leaf.shape)] = np.asarray(shard.data)
+    path = os.path.join(directory, f"shards-{jax.process_index():05d}.safetensors")
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    _fault_injection(step)
+    barrier(f"checkpoint-{step}-written")
+    if jax.process_index() == 0:
+        meta = dict(metadata, step=step, processes=jax.process_count())
+        meta["leaves"] = {name: [list(leaf.shape), str(leaf.dtype)] for name, leaf in _flat(_saved_part(state))}
+        with open(os.path.join(directory, METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(directory, COMMIT_MARKER), "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(directory)
+        for old in _step_dirs(root)[:-_KEEP]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    barrier(f"checkpoint-{step}-committed")
+    return directory
 
 
-def read_metadata(directory: str | os.PathLike) -> dict:
-    path = os.path.join(directory, METADATA_FILE)
-    if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, STATE_FILE)):
-        raise FileNotFoundError(f"{directory} is not a complete eqx_tx checkpoint (no {METADATA_FILE} / {STATE_FILE})")
-    with open(path) as f:
+def _step_dirs(root) -> list[str]:
+    """Committed step directories under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
+    return [n for n in names if os.path.isfile(os.path.join(root, n, COMMIT_MARKER))]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str:
+    """The newest committed step directory under `root` (or `root` itself if it is one)."""
+    root = os.fspath(root)
+    if _STEP_DIR.match(os.path.basename(os.path.normpath(root))):
+        if not os.path.isfile(os.path.join(root, COMMIT_MARKER)):
+            raise IncompleteCheckpointError(
+                f"{root} is an incomplete checkpoint: no {COMMIT_MARKER} marker (its save was interrupted)"
+            )
+        return root
+    committed = _step_dirs(root)
+    if not committed:
+        raise FileNotFoundError(f"no committed checkpoint in {root}")
+    return os.path.join(root, committed[-1])
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """Metadata of the newest committed checkpoint under `path` (or of that step directory)."""
+    with open(os.path.join(latest_checkpoint(path), METADATA_FILE)) as f:
         return json.load(f)
 
 
-def restore_checkpoint(directory: str | os.PathLike, template: TrainState) -> tuple[TrainState, dict]:
-    """Fill `template` (same structure, any values) from `directory`.
-
-    Each array is placed with the sharding of the template's leaf, every device
-    reading only its own slice.
-    """
-    meta = read_metadata(directory)
-    path = os.path.join(directory, STATE_FILE)
+def restore_checkpoint(path: str | os.PathLike, template: TrainState) -> tuple[TrainState, dict]:
+    """Fill `template` (same structure, any values and shardings) from the newest
+    committed checkpoint under `path`; each device reads only what it holds."""
+    directory = latest_checkpoint(path)
+    with open(os.path.join(directory, METADATA_FILE)) as f:
+        meta = json.load(f)
+    files = sorted(n for n in os.listdir(directory) if n.startswith("shards-") and n.endswith(".safetensors"))
+    handles = {n: safe_open(os.path.join(directory, n), framework="flax") for n in files}
+    pieces: dict[str, list] = {}
+    for n, handle in handles.items():
+        for key in handle.keys():
+            name, box = _parse_box_key(key)
+            pieces.setdefault(name, []).append((handle, key, box))
     part = _saved_part(template)
     flat = _flat(part)
-    with safe_open(path, framework="flax") as f:
-        stored = set(f.keys())
-        expected = {k for k, _ in flat}
-        if stored != expected:
-            raise KeyError(
-                f"{path} does not match this training setup: missing {sorted(expected - stored)[:5]}, "
-                f"unexpected {sorted(stored - expected)[:5]}"
-            )
-        arrays = []
-        for key, leaf in flat:
-            sl = f.get_slice(key)
-            if tuple(sl.get_shape()) != tuple(leaf.shape):
-                raise ValueError(f"{path}: {key} has shape {tuple(sl.get_shape())}, expected {tuple(leaf.shape)}")
+    expected = {name for name, _ in flat}
+    if set(meta["leaves"]) != expected:
+        missing, extra = sorted(expected - set(meta["leaves"])), sorted(set(meta["leaves"]) - expected)
+        raise KeyError(f"{directory} does not match this training setup: missing {missing[:5]}, unexpected {extra[:5]}")
+    host = host_device()
+    arrays = []
+    for name, leaf in flat:
+        shape, _ = meta["leaves"][name]
+        if tuple(shape) != tuple(leaf.shape):
+            raise ValueError(f"{directory}: {name} has shape {tuple(shape)}, expected {tuple(leaf.shape)}")
 
-            def read(index, sl=sl, leaf=leaf):
-                return np.asarray(sl[index] if leaf.ndim else sl[...]).astype(leaf.dtype)
+        def read(index, name=name, leaf=leaf):
+            target = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
+            out = np.zeros([b - a for a, b in target], dtype=leaf.dtype)
+            for handle, key, box in pieces.get(name, []):
+                lo = [max(a, c) for (a, _), (c, _) in zip(target, box)]
+                hi = [min(b, d) for (_, b), (_, d) in zip(target, box)]
+                if any(l >= h for l, h in zip(lo, hi)):
+                    continue
+                src = tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, box))
+                dst = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, target))
+                with jax.default_device(host):  # numpy cannot hold bf16 slices; read via the CPU device
+                    out[dst] = np.asarray(handle.get_slice(key)[src] if src else handle.get_tensor(key))
+            return out
 
-            arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))
+        arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))
     restored = jax.tree.unflatten(jax.tree.structure(part), arrays)
     state = TrainState(params=restored["params"], frozen=template.frozen, opt_state=restored["opt_state"],
                        step=restored["step"])

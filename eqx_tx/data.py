@@ -15,7 +15,6 @@ import json
 import os
 from typing import Literal
 
-import jax.numpy as jnp
 import numpy as np
 
 from .training import Batch
@@ -108,7 +107,9 @@ class Examples:
         return len(self.tokens)
 
     def batch(self, step: int, batch_size: int, *, seed: int = 0, rows: slice = slice(None)) -> Batch:
-        """Batch number `step` (every epoch reshuffled by `seed`); `rows` selects a share."""
+        """Batch number `step` (every epoch reshuffled by `seed`), as numpy arrays;
+        `rows` selects this process's share of a multi-host batch (the same rows a
+        single process would put there)."""
         n = len(self.tokens)
         idx = np.arange(step * batch_size, (step + 1) * batch_size)[rows]
         epochs, pos = idx // n, idx % n
@@ -119,9 +120,9 @@ class Examples:
         tokens, lengths = self.tokens[order], self.lengths[order]
         inputs_len = lengths - 1  # the last token of each row is only a target
         valid = np.arange(self.seq_len)[None, :] < inputs_len[:, None]
-        return Batch(
-            input_ids=jnp.asarray(np.where(valid, tokens[:, :-1], 0)),
-            target_ids=jnp.asarray(np.where(valid, tokens[:, 1:], 0)),
-            loss_weights=jnp.asarray(valid, jnp.float32),
-            lengths=jnp.asarray(inputs_len),
+        return Batch(  # host (numpy) arrays: place them with eqx_tx.distributed.global_batch
+            input_ids=np.where(valid, tokens[:, :-1], 0).astype(np.int32),
+            target_ids=np.where(valid, tokens[:, 1:], 0).astype(np.int32),
+            loss_weights=valid.astype(np.float32),
+            lengths=inputs_len.astype(np.int32),
         )

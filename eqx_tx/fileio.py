@@ -46,3 +46,14 @@ def atomic_directory(directory: str | os.PathLike):
     fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def barrier(name: str) -> None:
+    """Wait for every process of a multi-host run (no-op with one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+

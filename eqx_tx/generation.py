@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
+from .distributed import to_host
 from .layers.attention import AttentionMask
 from .layers.kv_cache import KVCache, SharedPrefixCache
 from .models import CausalLM
@@ -267,17 +268,17 @@ def generate(
         shown = np.zeros((S,), np.int64)
         while True:
             state = decode(model, state, sampler, jnp.asarray(segment, jnp.int32), compute=compute)
-            done = np.asarray(state.done)
+            done = to_host(state.done)
             if on_tokens is not None:
-                generated = np.asarray(state.generated)
-                toks = np.asarray(state.tokens)
+                generated = to_host(state.generated)
+                toks = to_host(state.tokens)
                 on_tokens([toks[b, shown[b] : generated[b]].tolist() for b in range(S)])
                 shown = generated.astype(np.int64)
-            if (done != 0).all() or int(state.step) >= max_new:
+            if (done != 0).all() or int(to_host(state.step)) >= max_new:
                 break
 
-    generated = np.asarray(state.generated)
-    toks, logps, done = np.asarray(state.tokens), np.asarray(state.logprobs), np.asarray(state.done)
+    generated = to_host(state.generated)
+    toks, logps, done = to_host(state.tokens), to_host(state.logprobs), to_host(state.done)
     return [
         Generation(toks[b, : generated[b]].tolist(), logps[b, : generated[b]].tolist(), STOP_REASONS[done[b]])
         for b in range(S)

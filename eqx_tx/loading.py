@@ -134,7 +134,7 @@ def load(
         raise KeyError(f"{directory}: checkpoint has {len(unexpected)} unexpected tensor(s): {_short(unexpected)}")
 
     if mesh is None:
-        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), abstract)
     else:
         shardings = tree_shardings(abstract, mesh, rules)
     arrays = read_arrays(specs, files, shardings, dtype, where=directory, progress=progress)
@@ -156,7 +156,7 @@ def read_arrays(specs, files: dict[str, str], shardings, dtype, *, where: str, p
                     f"{where}: tensor {prefix + name} has shape {found}, expected {spec.hf_shape} "
                     f"(from config.json)"
                 )
-    host = _host_device()
+    host = host_device()
 
     def get_hf_slice(name, hf_index):
         with jax.default_device(host):
@@ -177,10 +177,10 @@ def read_arrays(specs, files: dict[str, str], shardings, dtype, *, where: str, p
     return arrays
 
 
-def _host_device():
-    """The CPU device, so tensors read from disk stay in host memory."""
+def host_device():
+    """This process's CPU device, so tensors read from disk stay in host memory."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
 

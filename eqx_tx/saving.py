@@ -1,5 +1,6 @@
 """Save models as Hugging Face checkpoints (safetensors + config.json), atomically."""
 
+import contextlib
 import json
 import math
 import os
@@ -10,7 +11,8 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from .fileio import atomic_directory
+from .distributed import to_host
+from .fileio import atomic_directory, barrier
 from .hf_params import hf_tensors
 from .layers.lora import has_lora
 from .models import CausalLM
@@ -76,7 +78,8 @@ def save(
     hf_config = model.config.to_hf()
     hf_config["dtype"] = _dtype_name(model.dtype)
 
-    with atomic_directory(directory) as tmp:
+    main = jax.process_index() == 0  # multi-host: every process gathers, process 0 writes
+    with atomic_directory(directory) if main else contextlib.nullcontext() as tmp:
         weight_map = {}
         for n, shard in enumerate(shards):
             filename = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -84,14 +87,17 @@ def save(
             for name, spec, layer, _ in shard:
                 arr = spec.get(model)
                 part = arr[layer] if layer is not None else arr
-                tensors[name] = np.ascontiguousarray(spec.to_hf(np.asarray(jax.device_get(part))))
+                tensors[name] = np.ascontiguousarray(spec.to_hf(to_host(part)))
                 weight_map[name] = filename
-            save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
-        if len(shards) > 1:
-            total = sum(e[3] for e in entries)
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-        for name, src in (extra_files or {}).items():
-            shutil.copy(src, os.path.join(tmp, name))
+            if main:
+                save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
+        if main:
+            if len(shards) > 1:
+                total = sum(e[3] for e in entries)
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(hf_config, f, indent=2)
+            for name, src in (extra_files or {}).items():
+                shutil.copy(src, os.path.join(tmp, name))
+    barrier("eqx_tx-save")

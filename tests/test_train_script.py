@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from eqx_tx.checkpoint import read_metadata
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tools", "train.py")
 
@@ -44,11 +46,11 @@ def test_resume_in_a_new_process_continues_exactly(checkpoints, token_data, tmp_
     _run(*common, "--output-dir", str(tmp_path / "straight"))
     out = _run(*common, "--output-dir", str(tmp_path / "split"), "--stop-after", "5")
     assert "stopped after step 5" in out
-    assert json.load(open(tmp_path / "split" / "checkpoint" / "metadata.json"))["data_position"] == 5
+    assert read_metadata(tmp_path / "split" / "checkpoint")["data_position"] == 5
     out = _run(*common, "--output-dir", str(tmp_path / "split"), "--resume")
     assert "resumed from" in out and "at step 5" in out
-    a = load_file(str(tmp_path / "straight" / "checkpoint" / "state.safetensors"))
-    b = load_file(str(tmp_path / "split" / "checkpoint" / "state.safetensors"))
+    a = load_file(str(tmp_path / "straight" / "checkpoint" / "step_00000010" / "shards-00000.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoint" / "step_00000010" / "shards-00000.safetensors"))
     assert a.keys() == b.keys() and len(a) > 10
     for key in a:
         np.testing.assert_allclose(a[key], b[key], atol=1e-6, err_msg=key)

@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 import tyro
 
+from eqx_tx.distributed import DistributedArgs
+
 DEFAULT_MODEL = "runs/tiny/final"
 
 
@@ -45,6 +47,12 @@ class Args:
     attention: Literal["auto", "cudnn", "blockwise", "xla"] = "auto"
     stream_every: int = 8
     """Decode steps between streamed updates."""
+    distributed: Annotated[DistributedArgs, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=DistributedArgs
+    )
+    """Multi-host: --coordinator-address, --num-processes, --process-id (or JAX_* env vars).
+    Every process reads the same prompts; the batch is split over the data-parallel
+    groups and process 0 prints the results in the original order."""
 
 
 def read_prompts(args: Args) -> list[str]:
@@ -75,6 +83,9 @@ def main(args: Args) -> None:
             f"no model at {DEFAULT_MODEL}: create it with `python tools/train.py` (about a minute), "
             "or pass --model"
         )
+    from eqx_tx.distributed import initialize, is_main_process
+
+    initialize(args.distributed)  # before anything touches a device
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
@@ -90,7 +101,10 @@ def main(args: Args) -> None:
         raise FileNotFoundError(f"{directory} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(tokenizer_path)
     dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
-    mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
+    import jax
+
+    mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 or jax.process_count() > 1 else None
+    main_process = is_main_process()
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
     params = [
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -115,12 +129,12 @@ def main(args: Args) -> None:
             produced[i].extend(toks)
             text = tokenizer.decode([t for t in produced[i] if t not in stops])
             delta, shown[i] = text[len(shown[i]) :], text
-            if delta:
+            if delta and main_process:
                 prefix = "" if len(sequences) == 1 else f"[{labels[i]}] "
                 sys.stdout.write(prefix + delta + ("" if len(sequences) == 1 else "\n"))
         sys.stdout.flush()
 
-    if len(sequences) == 1:
+    if len(sequences) == 1 and main_process:
         sys.stdout.write(prompts[0])
     start = time.perf_counter()
     results = generate(
@@ -133,6 +147,8 @@ def main(args: Args) -> None:
         on_tokens=on_tokens,
     )
     elapsed = time.perf_counter() - start
+    if not main_process:
+        return
     print()
     if len(sequences) > 1:
         for i, (p, r) in enumerate(zip(sequences, results)):
@@ -150,6 +166,8 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as e:
+        if os.environ.get("EQX_TX_DEBUG"):
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -12,10 +12,11 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import tyro
 
+from eqx_tx.distributed import DistributedArgs
 from eqx_tx.layers.lora import ALL_TARGETS
 
 
@@ -62,12 +63,19 @@ class Args:
     preempted job would; rerun with --resume to continue."""
     seed: int = 0
     progress: bool = True
+    distributed: Annotated[DistributedArgs, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=DistributedArgs
+    )
+    """Multi-host: --coordinator-address, --num-processes, --process-id (or JAX_* env vars)."""
 
 
 def main(args: Args) -> None:
+    from eqx_tx.distributed import initialize
+
+    initialize(args.distributed)  # before anything touches a device
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    import numpy as np
     from tokenizers import Tokenizer
     from tqdm.auto import tqdm
 
@@ -75,6 +83,7 @@ def main(args: Args) -> None:
     from eqx_tx.adapters import save_adapter
     from eqx_tx.checkpoint import read_metadata, restore_checkpoint, save_checkpoint
     from eqx_tx.data import TINY_STORIES, TINY_TOKENIZER, Examples, read_jsonl, tokenize
+    from eqx_tx.distributed import global_batch, is_main_process, local_rows, to_host
     from eqx_tx.layers.lora import apply_lora, merge_lora
     from eqx_tx.presets import PRESETS, preset
     from eqx_tx.saving import tokenizer_files
@@ -120,7 +129,7 @@ def main(args: Args) -> None:
     if max(max(d) for d in docs) >= config.vocab_size:
         raise ValueError(f"dataset has token ids >= the model's vocab_size {config.vocab_size}")
     examples = Examples(docs, args.seq_len, packing=args.packing, pad_id=eos or 0, long_sequences=args.long_sequences)
-    if examples.truncated:
+    if examples.truncated and is_main_process():
         print(f"note: truncated {examples.truncated} document(s) longer than {args.seq_len + 1} tokens")
 
     if is_preset:
@@ -156,32 +165,37 @@ def main(args: Args) -> None:
         if changed:
             raise ValueError(f"--resume with different settings than the checkpoint: {changed}")
         state, meta = restore_checkpoint(checkpoint_dir, state)
-        print(f"resumed from {checkpoint_dir} at step {meta['step']}")
+        if is_main_process():
+            print(f"resumed from {checkpoint_dir} at step {meta['step']}")
 
-    batch_sharding = NamedSharding(mesh, P("dp"))
-    start = int(state.step)
+    rows = local_rows(mesh, args.batch_size)  # this process's share of every batch
+    start = int(np.asarray(state.step.addressable_shards[0].data))
+    main_process = is_main_process()
     tokens_per_step = args.batch_size * args.seq_len
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not args.progress, desc="train")
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not (args.progress and main_process),
+               desc="train")
     first_loss = last_loss = None
     t0 = None
     for step in bar:
-        batch = jax.device_put(examples.batch(step, args.batch_size, seed=args.seed), batch_sharding)
+        batch = global_batch(examples.batch(step, args.batch_size, seed=args.seed, rows=rows), mesh, args.batch_size)
         state, metrics = train_step(state, batch, train_config)
         if step == start:
-            first_loss = float(metrics["loss"])
+            first_loss = float(to_host(metrics["loss"]))
             t0, t0_step = time.perf_counter(), step + 1  # exclude the compile step from tokens/s
         if (step + 1) % 10 == 0 or step + 1 == args.steps:
-            loss = last_loss = float(metrics["loss"])
+            loss = last_loss = float(to_host(metrics["loss"]))
+            lr = float(to_host(metrics["learning_rate"]))
             done = step + 1 - t0_step
             rate = done * tokens_per_step / max(time.perf_counter() - t0, 1e-9) if done else 0.0
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['learning_rate']):.2e}", tok_s=f"{rate:,.0f}")
-            if not args.progress:
-                print(f"step {step + 1}: loss {loss:.4f} lr {float(metrics['learning_rate']):.2e} tokens/s {rate:,.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
+            if not args.progress and main_process:
+                print(f"step {step + 1}: loss {loss:.4f} lr {lr:.2e} tokens/s {rate:,.0f}")
         stopping = args.stop_after is not None and step + 1 - start >= args.stop_after
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stopping:
             save_checkpoint(checkpoint_dir, state, metadata=dict(run_meta, data_position=step + 1))
         if stopping:
-            print(f"stopped after step {step + 1}; continue with --resume")
+            if main_process:
+                print(f"stopped after step {step + 1}; continue with --resume")
             return
     bar.close()
 
@@ -194,14 +208,17 @@ def main(args: Args) -> None:
     if tokenizer is not None:
         extra["tokenizer.json"] = tokenizer_path
     eqx_tx.save(model, final_dir, extra_files=extra)
-    if first_loss is not None:
-        print(f"loss {first_loss:.4f} -> {last_loss:.4f}")
-    print(f"saved {final_dir}" + (f" and {args.output_dir}/adapter" if args.lora_rank > 0 else ""))
+    if main_process:
+        if first_loss is not None:
+            print(f"loss {first_loss:.4f} -> {last_loss:.4f}")
+        print(f"saved {final_dir}" + (f" and {args.output_dir}/adapter" if args.lora_rank > 0 else ""))
 
 
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, KeyError, NotADirectoryError) as e:
+    except (ValueError, FileNotFoundError, KeyError, NotADirectoryError, RuntimeError) as e:
+        if os.environ.get("EQX_TX_DEBUG"):
+            raise
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         sys.exit(2)
