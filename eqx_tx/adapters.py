@@ -35,9 +35,8 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
     settings = lora_settings(model)
     tensors = {}
     for spec in _adapter_specs(model):
-        arr = to_host(spec.get(model))
-        for i, name in enumerate(spec.hf_names()):
-            tensors[PEFT_PREFIX + name] = np.ascontiguousarray(spec.to_hf(arr[i] if spec.stacked else arr))
+        for name, value in spec.items(to_host(spec.get(model))):
+            tensors[PEFT_PREFIX + name] = np.ascontiguousarray(value)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -6,6 +6,7 @@ stored `[*out, *in]` is HF's `[out_features, in_features]` reshaped.
 """
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -13,9 +14,8 @@ import jax
 import numpy as np
 
 from .layers.linear import Linear
-from .sharding import HasAxes
+from .sharding import STACKED, HasAxes, _names
 
-STACKED_PREFIX = "model.layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,33 +23,44 @@ class HFTensor:
     """One array of the model and the HF tensor(s) it is made of.
 
     - `path`: the pytree path of the array in the model.
-    - `name`: the HF key, with `{}` in place of the layer index when `stacked`.
-    - `shape`: the array's shape (leading layer axis included when `stacked`).
-    - `groups`: how the per-layer dimensions merge into HF dimensions, as
-      `(start, stop)` ranges over the per-layer shape.
+    - `name`: the HF key, with a `{}` for each stacked axis (layer, then expert index).
+    - `shape`: the array's shape, stacked axes included.
+    - `groups`: how the per-tensor dimensions merge into HF dimensions, as
+      `(start, stop)` ranges over the per-tensor shape.
+    - `n_stacked`: how many leading axes index separate HF tensors.
     """
 
     path: tuple
     name: str
     shape: tuple[int, ...]
     groups: tuple[tuple[int, int], ...]
-    stacked: bool
+    n_stacked: int
+
+    @property
+    def stacked(self) -> bool:
+        return self.n_stacked > 0
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        return self.shape[1:] if self.stacked else self.shape
+        """The shape of one HF tensor's worth of the array (stacked axes dropped)."""
+        return self.shape[self.n_stacked :]
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         s = self.layer_shape
         return tuple(math.prod(s[a:b]) for a, b in self.groups)
 
-    @property
-    def num_layers(self) -> int:
-        return self.shape[0] if self.stacked else 1
+    def indices(self) -> list[tuple[int, ...]]:
+        """Every stacked index, in HF order (layer-major)."""
+        return list(itertools.product(*(range(n) for n in self.shape[: self.n_stacked])))
 
     def hf_names(self) -> list[str]:
-        return [self.name.format(i) for i in range(self.num_layers)] if self.stacked else [self.name]
+        return [self.name.format(*i) for i in self.indices()]
+
+    def items(self, array):
+        """`(hf_name, hf_array)` for each HF tensor of `array` (a host numpy array)."""
+        for idx in self.indices():
+            yield self.name.format(*idx), self.to_hf(np.asarray(array)[idx])
 
     def get(self, model):
         """This array of `model`."""
@@ -70,8 +81,10 @@ class HFTensor:
         in full otherwise.
         """
         index = tuple(_normalise(s, n) for s, n in zip(index, self.shape))
-        layers = range(*index[0].indices(self.shape[0])) if self.stacked else [None]
-        per_layer = index[1:] if self.stacked else index
+        ns = self.n_stacked
+        stacked = list(itertools.product(*(range(*s.indices(n)) for s, n in zip(index[:ns], self.shape[:ns]))))
+        counts = [len(range(*s.indices(n))) for s, n in zip(index[:ns], self.shape[:ns])]
+        per_layer = index[ns:]
         shape = self.layer_shape
         hf_index, post, read_shape = [], [], []
         for a, b in self.groups:
@@ -86,11 +99,12 @@ class HFTensor:
                 read_shape += list(dims)
                 post += list(sl)
         parts = []
-        for layer in layers:
-            name = self.name.format(layer) if self.stacked else self.name
-            part = np.asarray(get_hf_slice(name, tuple(hf_index))).reshape(read_shape)
+        for idx in stacked:
+            part = np.asarray(get_hf_slice(self.name.format(*idx), tuple(hf_index))).reshape(read_shape)
             parts.append(part[tuple(post)])
-        return np.stack(parts) if self.stacked else parts[0]
+        if not ns:
+            return parts[0]
+        return np.stack(parts).reshape(*counts, *parts[0].shape)
 
 
 def _normalise(s, n) -> slice:
@@ -98,8 +112,6 @@ def _normalise(s, n) -> slice:
     return slice(start, stop, step)
 
 
-def _path_str(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 def hf_tensors(model) -> Iterator[HFTensor]:
@@ -108,15 +120,15 @@ def hf_tensors(model) -> Iterator[HFTensor]:
     for path, module in flat:
         if not isinstance(module, HasAxes):
             continue
-        prefix = _path_str(path)
+        names = _names(path)
         declared = module.param_axes()
         for field, axes in declared.items():
             arr = getattr(module, field)
             if arr is None:
                 continue
-            stacked = arr.ndim == len(axes) + 1
-            if not stacked and arr.ndim != len(axes):
-                raise ValueError(f"{prefix}.{field}: shape {arr.shape} does not match axes {axes}")
+            extra = arr.ndim - len(axes)
+            if extra < 0:
+                raise ValueError(f"{'.'.join(names)}.{field}: shape {arr.shape} does not match axes {axes}")
             layer_ndim = len(axes)
             if isinstance(module, Linear) and field == "weight":
                 split = layer_ndim - module.in_ndim
@@ -125,9 +137,11 @@ def hf_tensors(model) -> Iterator[HFTensor]:
                 groups = ((0, layer_ndim),)
             else:
                 groups = tuple((i, i + 1) for i in range(layer_ndim))
-            name = f"{prefix}.{field}"
-            if stacked:
-                if not name.startswith(STACKED_PREFIX + "."):
-                    raise ValueError(f"{name}: stacked array outside {STACKED_PREFIX}")
-                name = f"{STACKED_PREFIX}.{{}}.{name[len(STACKED_PREFIX) + 1:]}"
-            yield HFTensor(tuple(path) + (jax.tree_util.GetAttrKey(field),), name, tuple(arr.shape), groups, stacked)
+            # One "{}" after each stacked submodule in the path: model.layers.{}.mlp.experts.{}...
+            stacked_in_path = [i for i, n in enumerate(names) if n in STACKED][:extra]
+            if len(stacked_in_path) != extra:
+                raise ValueError(f"{'.'.join(names)}.{field}: {extra} stacked axes but the path has "
+                                 f"{len(stacked_in_path)} stacked submodules")
+            parts = [n + (".{}" if i in stacked_in_path else "") for i, n in enumerate(names)]
+            name = ".".join(parts + [field])
+            yield HFTensor(tuple(path) + (jax.tree_util.GetAttrKey(field),), name, tuple(arr.shape), groups, extra)

@@ -59,12 +59,12 @@ def save(
     if has_lora(model):
         raise ValueError("model has LoRA adapters: save them with eqx_tx.save_adapter, or merge_lora(model) first")
     specs = list(hf_tensors(model))
-    entries = []  # (hf name, spec, layer index or None, bytes)
+    entries = []  # (hf name, spec, stacked index, bytes)
     for spec in specs:
         arr = spec.get(model)
         nbytes = math.prod(spec.layer_shape) * np.dtype(arr.dtype).itemsize
-        for i, name in enumerate(spec.hf_names()):
-            entries.append((name, spec, i if spec.stacked else None, nbytes))
+        for idx in spec.indices():
+            entries.append((spec.name.format(*idx), spec, idx, nbytes))
 
     shards, current, size = [], [], 0
     for entry in entries:
@@ -84,9 +84,8 @@ def save(
         for n, shard in enumerate(shards):
             filename = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
-            for name, spec, layer, _ in shard:
-                arr = spec.get(model)
-                part = arr[layer] if layer is not None else arr
+            for name, spec, idx, _ in shard:
+                part = spec.get(model)[idx]  # one tensor at a time, never the whole model on the host
                 tensors[name] = np.ascontiguousarray(spec.to_hf(to_host(part)))
                 weight_map[name] = filename
             if main:

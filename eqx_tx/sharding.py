@@ -6,7 +6,8 @@ names too. `RULES` maps logical names to mesh axes, and `logical_to_spec` turns 
 tuple of logical names into a `PartitionSpec`, refusing two logical axes on one
 mesh axis and leaving a dimension unsharded (logged once) when it does not divide.
 
-The mesh has the axes `("dp", "sp", "tp")`: data parallel, sequence/context
+The mesh has the axes `("dp", "ep", "sp", "tp")`: data parallel, expert parallel
+(MoE experts split over it; the batch too, outside the experts), sequence/context
 parallel, tensor parallel. Functions that run the model pick the mesh up from
 JAX's context (`jax.set_mesh`), so the model itself holds only arrays.
 """
@@ -24,7 +25,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._log import log_once
 
-MESH_AXES = ("dp", "sp", "tp")
+MESH_AXES = ("dp", "ep", "sp", "tp")
+
+# Attribute names of stacked submodules, outermost first: an array under
+# `model.layers` has a leading layer axis, one under `mlp.experts` an expert axis.
+STACKED = {"layers": "layers", "experts": "experts"}
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -40,8 +45,10 @@ RULES: Mapping[str, MeshAxes] = {
     "mlp": "tp",
     "norm": None,
     "lora_rank": None,
+    "experts": "ep",
+    "router": None,
     # activations
-    "batch": "dp",
+    "batch": ("dp", "ep"),
     "seq": "sp",
     # Sequence parallelism: between blocks (norms, residual adds, the saved carry) the
     # sequence is also split over the tensor-parallel devices.
@@ -65,13 +72,13 @@ class Axes:
 
 
 def make_mesh(
-    *, dp: int = -1, sp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None
+    *, dp: int = -1, sp: int = 1, tp: int = 1, ep: int = 1, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
-    """Build the `("dp", "sp", "tp")` device mesh.
+    """Build the `("dp", "ep", "sp", "tp")` device mesh.
 
     **Arguments:**
 
-    - `dp`, `sp`, `tp`: sizes of the three axes; `dp=-1` takes all remaining devices.
+    - `dp`, `ep`, `sp`, `tp`: axis sizes; `dp=-1` takes all remaining devices.
     - `devices`: the devices to use (default: `jax.devices()`). Consecutive devices go
       to `tp` first, so a tensor-parallel group stays inside a host.
 
@@ -79,14 +86,15 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
+    inner = ep * sp * tp
     if dp == -1:
-        if n % (sp * tp):
-            raise ValueError(f"{n} devices are not divisible by sp*tp = {sp}*{tp}")
-        dp = n // (sp * tp)
-    if dp * sp * tp != n:
-        raise ValueError(f"mesh dp*sp*tp = {dp}*{sp}*{tp} = {dp * sp * tp} != {n} devices")
-    grid = np.asarray(devices, dtype=object).reshape(dp, sp, tp)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+        if n % inner:
+            raise ValueError(f"{n} devices are not divisible by ep*sp*tp = {ep}*{sp}*{tp}")
+        dp = n // inner
+    if dp * inner != n:
+        raise ValueError(f"mesh dp*ep*sp*tp = {dp}*{ep}*{sp}*{tp} = {dp * inner} != {n} devices")
+    grid = np.asarray(devices, dtype=object).reshape(dp, ep, sp, tp)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _axis_size(mesh, mesh_axes: MeshAxes) -> int:
@@ -145,14 +153,24 @@ class HasAxes(eqx.Module):
         """Map each array field's name to its logical axes (without a layer axis)."""
 
 
+def stacked_axes(path_names: Sequence[str], extra: int) -> tuple[str, ...]:
+    """Names of the `extra` leading axes of an array whose module sits at `path_names`."""
+    found = [STACKED[name] for name in path_names if name in STACKED]
+    return tuple(found[:extra]) + ("layers",) * (extra - len(found))
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
+
+
 def logical_axes(tree) -> object:
     """Replace every array in `tree` with its `Axes`.
 
-    Arrays with more dimensions than their module declares get `"layers"` for each
-    extra leading dimension (the stacked, scanned decoder blocks).
+    Arrays with more dimensions than their module declares get one leading axis per
+    stacked submodule they sit in (`STACKED`: `layers`, then `experts`).
     """
 
-    def visit(node):
+    def visit(path, node):
         if not isinstance(node, HasAxes):
             if eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct):
                 raise ValueError(f"array of shape {node.shape} is not owned by a HasAxes module")
@@ -167,10 +185,10 @@ def logical_axes(tree) -> object:
             extra = arr.ndim - len(declared[k])
             if extra < 0:
                 raise ValueError(f"{type(node).__name__}.{k}: shape {arr.shape} vs axes {declared[k]}")
-            leaves.append(Axes(("layers",) * extra + tuple(declared[k])))
+            leaves.append(Axes(stacked_axes(_names(path), extra) + tuple(declared[k])))
         return eqx.tree_at(lambda m: [getattr(m, k) for k in fields], node, leaves)
 
-    return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, HasAxes))
+    return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=lambda x: isinstance(x, HasAxes))
 
 
 def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES):

@@ -163,7 +163,11 @@ def _split_micro_batches(batch: Batch, m: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def _weighted_nll_sum(params, frozen, batch: Batch, config: TrainConfig):
+def _micro_batch_loss(params, frozen, batch: Batch, config: TrainConfig, count, micro_batches: int):
+    """This micro-batch's share of the step's loss: `sum(w * nll) / count` (`count`: the
+    whole batch's weighted tokens, so the shares add up to the full-batch loss), plus,
+    for MoE models, the load-balancing loss (its mean over micro-batches) times its
+    coefficient. Returns `(loss, (cross_entropy_share, load_balancing))`."""
     model = eqx.combine(params, frozen)
     B, T = batch.input_ids.shape
     ids, targets, weights = batch.input_ids, batch.target_ids, batch.loss_weights
@@ -172,37 +176,44 @@ def _weighted_nll_sum(params, frozen, batch: Batch, config: TrainConfig):
         (ids, targets, weights), positions, _ = to_context_layout((ids, targets, weights), sp)
     else:
         positions = positions_for(B, T)
-    hidden, _ = model.hidden_states(
+    moe = model.config.num_experts > 0
+    out = model.hidden_states(
         constrain(ids, ("batch", "seq")),
         positions=constrain(positions, ("batch", "seq")),
         mask=AttentionMask(batch.lengths, 0),
         compute=config.compute,
+        router_stats=moe,
     )
+    hidden = out[0]
     if config.loss_chunk_size is None:  # the naive baseline: full logits, plain autodiff
         logits = jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
     else:
         logp = chunked_logprobs(hidden, model.head_weight(), targets, chunk_size=config.loss_chunk_size)
-    return -jnp.sum(weights.astype(jnp.float32) * logp)
+    ce = -jnp.sum(weights.astype(jnp.float32) * logp) / count
+    balance = out[2].load_balancing_loss() if moe else jnp.zeros(())
+    loss = ce + model.config.router_aux_loss_coef * balance / micro_batches
+    return loss, (ce, balance / micro_batches)
 
 
-def _loss_and_grads(params, frozen, batch: Batch, config: TrainConfig):
-    """Sum of weighted NLL over the batch and its gradient (float32), by micro-batch."""
-    grad_fn = jax.value_and_grad(_weighted_nll_sum)
+def _loss_and_grads(params, frozen, batch: Batch, config: TrainConfig, count):
+    """The step's loss, its parts, and float32 gradients, accumulated over micro-batches."""
+    grad_fn = jax.value_and_grad(_micro_batch_loss, has_aux=True)
     m = config.micro_batches
     if m == 1:
-        loss, grads = grad_fn(params, frozen, batch, config)
-        return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        (loss, parts), grads = grad_fn(params, frozen, batch, config, count, 1)
+        return loss, parts, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     def body(carry, micro):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, frozen, micro, config)
+        loss_sum, parts_sum, grad_sum = carry
+        (loss, parts), grads = grad_fn(params, frozen, micro, config, count, m)
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-        return (loss_sum + loss, grad_sum), None
+        return (loss_sum + loss, jax.tree.map(jnp.add, parts_sum, parts), grad_sum), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), _split_micro_batches(batch, m))
-    return loss, grads
+    init = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(())), zeros)
+    (loss, parts, grads), _ = jax.lax.scan(body, init, _split_micro_batches(batch, m))
+    return loss, parts, grads
 
 
 @functools.partial(jax.jit, static_argnames="config", donate_argnames=("params", "opt_state", "step"))
@@ -213,13 +224,14 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     copied, doubling the memory of the frozen base weights in a LoRA run.
     """
     count = jnp.maximum(jnp.sum(batch.loss_weights != 0), 1).astype(jnp.float32)
-    loss_sum, grads = _loss_and_grads(params, frozen, batch, config)
-    grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
+    loss, (ce, balance), grads = _loss_and_grads(params, frozen, batch, config, count)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     optimizer = make_optimizer(config.optimizer, params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = {
-        "loss": loss_sum / count,
+        "loss": ce,
+        "load_balancing_loss": balance,
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": config.optimizer.schedule(step),
         "tokens": jnp.sum(batch.loss_weights != 0),
@@ -234,8 +246,9 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     (their buffers are reused for the new state); the frozen part is not touched.
 
     **Returns:** the new state and metrics: `loss` (mean weighted token NLL),
-    `grad_norm` (before clipping), `learning_rate` (used for this step), `tokens`
-    (number of weighted tokens).
+    `load_balancing_loss` (MoE; added to the objective times the config's
+    `router_aux_loss_coef`), `grad_norm` (before clipping), `learning_rate` (used
+    for this step), `tokens` (number of weighted tokens).
     """
     B = batch.input_ids.shape[0]
     if B % config.micro_batches:

@@ -22,6 +22,9 @@ CONFIGS = {
                    attention_bias=True, mlp_bias=True, max_position_embeddings=256,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    "qwen3_moe": dict(architectures="Qwen3MoeForCausalLM", vocab_size=100, hidden_size=32, intermediate_size=64,
+                      moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
     "qwen2": dict(architectures="Qwen2ForCausalLM", vocab_size=100, hidden_size=32, intermediate_size=48,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
@@ -71,3 +74,23 @@ def ragged_batch(vocab_size: int, lengths, seed: int = 0):
     mask = (np.arange(T)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
     ids = np.where(mask == 1, ids, 0)
     return ids.astype(np.int32), mask
+
+
+def per_expert(named: dict) -> dict:
+    """HF's in-memory fused MoE tensors (transformers 5: `experts.gate_up_proj [E, 2I, D]`,
+    `experts.down_proj [E, D, I]`) under their checkpoint names, one per expert."""
+    out = {}
+    for name, value in named.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if leaf == "gate_up_proj":
+            half = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = value[e, :half]
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = value[e, half:]
+        elif leaf == "down_proj":
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
+

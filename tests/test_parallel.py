@@ -35,12 +35,13 @@ def batch():
 def _loss_grads(model, batch, compute, mesh=None):
     config = TrainConfig(loss_chunk_size=13, compute=compute)
     params, frozen = eqx.partition(model, eqx.is_array)
+    count = jnp.float32(np.sum(np.asarray(batch.loss_weights) != 0))
     if mesh is None:
-        loss, grads = jax.jit(_loss_and_grads, static_argnums=3)(params, frozen, batch, config)
+        loss, _, grads = jax.jit(_loss_and_grads, static_argnums=3)(params, frozen, batch, config, count)
     else:
         with jax.set_mesh(mesh):
             b = jax.device_put(batch, NamedSharding(mesh, P("dp")))
-            loss, grads = jax.jit(_loss_and_grads, static_argnums=3)(params, frozen, b, config)
+            loss, _, grads = jax.jit(_loss_and_grads, static_argnums=3)(params, frozen, b, config, count)
     return float(loss), jax.tree.leaves(grads)
 
 

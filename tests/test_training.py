@@ -57,11 +57,9 @@ def _torch_train(model, params, batches, opt: OptimizerConfig):
 
 def _assert_params_close(ours_model, torch_named, rtol=1e-4):
     for spec in hf_tensors(ours_model):
-        arr = np.asarray(spec.get(ours_model))
-        for i, name in enumerate(spec.hf_names()):
+        for name, mine in spec.items(spec.get(ours_model)):
             if name not in torch_named:
                 continue
-            mine = spec.to_hf(arr[i] if spec.stacked else arr)
             ref = torch_named[name].detach().numpy()
             err = np.linalg.norm(mine - ref) / max(np.linalg.norm(ref), 1e-12)
             assert err <= rtol, (name, err)
@@ -93,11 +91,8 @@ def _peft_model(path, ours_lora, rank, alpha, targets):
     for spec in hf_tensors(ours_lora):
         if ".lora_" not in spec.name:
             continue
-        arr = np.asarray(spec.get(ours_lora))
-        for i, name in enumerate(spec.hf_names()):
-            state["base_model.model." + name.replace(".weight", ".default.weight")] = torch.as_tensor(
-                spec.to_hf(arr[i] if spec.stacked else arr).copy()
-            )
+        for name, value in spec.items(spec.get(ours_lora)):
+            state["base_model.model." + name.replace(".weight", ".default.weight")] = torch.as_tensor(value.copy())
     missing = set(state) - set(dict(peft.named_parameters()))
     assert not missing, sorted(missing)[:3]
     peft.load_state_dict(state, strict=False)

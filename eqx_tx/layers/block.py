@@ -11,6 +11,7 @@ from ..sharding import constrain
 from .attention import Attention, AttentionMask
 from .kv_cache import KVCache
 from .mlp import GatedMLP
+from .moe import MoE, RouterStats
 from .norm import RMSNorm
 
 
@@ -20,7 +21,7 @@ class DecoderBlock(eqx.Module):
     input_layernorm: RMSNorm
     self_attn: Attention
     post_attention_layernorm: RMSNorm
-    mlp: GatedMLP
+    mlp: GatedMLP | MoE
 
     def __init__(self, *, input_layernorm, self_attn, post_attention_layernorm, mlp):
         self.input_layernorm = input_layernorm
@@ -39,7 +40,7 @@ class DecoderBlock(eqx.Module):
         cache: KVCache | None = None,
         layer: Int[Array, ""] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None, RouterStats | None]:
         h, cache = self.self_attn(
             self.input_layernorm(x),
             cos=cos,
@@ -51,8 +52,11 @@ class DecoderBlock(eqx.Module):
             positions=positions,
         )
         x = x + checkpoint_name(h, "block_attn_out")
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+        if isinstance(self.mlp, MoE):
+            valid = None if mask.kv_lengths is None else positions < mask.kv_lengths[:, None]
+            y, stats = self.mlp(self.post_attention_layernorm(x), valid)
+            return x + y, cache, stats
+        return x + self.mlp(self.post_attention_layernorm(x)), cache, None
 
 
 def stack_length(stacked: eqx.Module) -> int:
@@ -81,12 +85,14 @@ def run_stack(
     compute: ComputeConfig,
     cache: KVCache | None = None,
     positions: Int[Array, "batch seq"] | None = None,
-) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+    stats: RouterStats | None = None,
+) -> tuple[Float[Array, "batch seq embed"], KVCache | None, RouterStats | None]:
     """Run the stacked blocks with `lax.scan`, each step under `filter_checkpoint`.
 
     The scan body returns only its carry: the hidden states (and, when sampling,
-    the cache, written in place at this layer's index). Returning per-layer outputs
-    or parameters would make XLA keep a second stacked copy.
+    the cache, written in place at this layer's index; for MoE models, the router
+    statistics summed over layers). Returning per-layer outputs or parameters would
+    make XLA keep a second stacked copy.
     """
     params, static = eqx.partition(layers, eqx.is_array)
     axes = activation_axes(compute)
@@ -94,14 +100,19 @@ def run_stack(
     def body(carry, xs):
         layer_params, index = xs
         block = eqx.combine(layer_params, static)
-        h, c = carry
-        h, c = block(h, cos=cos, sin=sin, mask=mask, compute=compute, cache=c, layer=index, positions=positions)
-        return (constrain(h, axes), c), None
+        h, c, s = carry
+        h, c, layer_stats = block(h, cos=cos, sin=sin, mask=mask, compute=compute, cache=c, layer=index,
+                                  positions=positions)
+        if s is not None:
+            s = s + layer_stats
+        return (constrain(h, axes), c, s), None
 
     if cache is None and compute.remat != "none":
         # prevent_cse=False: the scan already stops XLA from merging the recomputation
         # with the forward pass across iterations, and the CSE barriers would only
         # block fusions inside the layer.
         body = eqx.filter_checkpoint(body, policy=compute.checkpoint_policy(), prevent_cse=False)
-    (x, cache), _ = jax.lax.scan(body, (constrain(x, axes), cache), (params, jnp.arange(stack_length(layers))))
-    return x, cache
+    (x, cache, stats), _ = jax.lax.scan(
+        body, (constrain(x, axes), cache, stats), (params, jnp.arange(stack_length(layers)))
+    )
+    return x, cache, stats

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .linear import Linear
+from .moe import MoE
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -87,6 +88,9 @@ def _target_nodes(model, targets):
         if name in ATTENTION_TARGETS:
             nodes.append(getattr(layers.self_attn, name))
         elif name in MLP_TARGETS:
+            if isinstance(layers.mlp, MoE):
+                raise ValueError(f"LoRA target {name!r}: this model's MLP is a mixture of experts; "
+                                 f"adapters go on the attention projections {ATTENTION_TARGETS}")
             nodes.append(getattr(layers.mlp, name))
         else:
             raise ValueError(f"unknown LoRA target {name!r}; choose from {ALL_TARGETS}")
@@ -145,7 +149,8 @@ def lora_settings(model) -> dict:
     """`rank`, `alpha` and `targets` of the adapters in `model`."""
     layers = model.model.layers
     found = {}
-    for name in ALL_TARGETS:
+    names = ATTENTION_TARGETS if isinstance(layers.mlp, MoE) else ALL_TARGETS
+    for name in names:
         parent = layers.self_attn if name in ATTENTION_TARGETS else layers.mlp
         node = getattr(parent, name)
         if _is_lora(node):

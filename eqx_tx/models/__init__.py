@@ -4,10 +4,11 @@ from .config import TransformerConfig
 from .llama import LlamaConfig
 from .qwen2 import Qwen2Config
 from .qwen3 import Qwen3Config
+from .qwen3_moe import Qwen3MoeConfig
 from .transformer import CausalLM
 
 FAMILIES: dict[str, type[TransformerConfig]] = {
-    c.architecture: c for c in (Qwen3Config, LlamaConfig, Qwen2Config)
+    c.architecture: c for c in (Qwen3Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig)
 }
 
 
@@ -23,4 +24,4 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     )
 
 
-__all__ = ["CausalLM", "FAMILIES", "LlamaConfig", "Qwen2Config", "Qwen3Config", "TransformerConfig", "config_from_hf"]
+__all__ = ["CausalLM", "FAMILIES", "LlamaConfig", "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig", "TransformerConfig", "config_from_hf"]

@@ -34,6 +34,12 @@ class TransformerConfig(abc.ABC):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Sparse MoE MLP (num_experts = 0: dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
 
     architecture: ClassVar[str]
     model_type: ClassVar[str]
@@ -51,6 +57,10 @@ class TransformerConfig(abc.ABC):
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
 
     @classmethod
     @abc.abstractmethod

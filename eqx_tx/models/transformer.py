@@ -16,6 +16,7 @@ from ..layers.block import DecoderBlock, run_stack
 from ..layers.kv_cache import KVCache
 from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
+from ..layers.moe import MoE, RouterStats
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
 from ..sharding import constrain
@@ -41,7 +42,12 @@ def make_block(config: TransformerConfig, *, dtype, key: PRNGKeyArray) -> Decode
             key=k_attn,
         ),
         post_attention_layernorm=RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype),
-        mlp=GatedMLP(c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, dtype=dtype, key=k_mlp),
+        mlp=(
+            MoE(c.hidden_size, c.moe_intermediate_size, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
+                norm_topk_prob=c.norm_topk_prob, dtype=dtype, key=k_mlp)
+            if c.num_experts
+            else GatedMLP(c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, dtype=dtype, key=k_mlp)
+        ),
     )
 
 
@@ -99,6 +105,7 @@ class CausalLM(eqx.Module):
         mask: AttentionMask,
         compute: ComputeConfig,
         cache: KVCache | None = None,
+        router_stats: bool = False,
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
         """Final-norm hidden states of every position (no LM head).
 
@@ -110,17 +117,27 @@ class CausalLM(eqx.Module):
         - `compute`: how to run (attention kernel, remat policy).
         - `cache`: when given, keys/values are written at `positions` and attention
           reads the whole cache.
+        - `router_stats`: MoE models: also return the `RouterStats` of all layers (for
+          the load-balancing loss), over the tokens before each sequence's length.
 
-        **Returns:** `[batch, seq, embed]` hidden states and the updated cache.
+        **Returns:** `[batch, seq, embed]` hidden states and the updated cache
+        (and the router statistics when asked for).
         """
         c = self.config
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope)
-        x, cache = run_stack(
-            self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, cache=cache, positions=positions
+        stats = RouterStats.zeros(c.num_experts_per_tok, c.num_experts) if c.num_experts else None
+        x, cache, stats = run_stack(
+            self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, cache=cache, positions=positions,
+            stats=stats,
         )
         # The LM head reads whole sequences (gathered again under sequence parallelism).
-        return constrain(self.model.norm(x), ("batch", "seq", "act_embed")), cache
+        hidden = constrain(self.model.norm(x), ("batch", "seq", "act_embed"))
+        if router_stats:
+            if stats is None:
+                raise ValueError("router_stats: this model has no MoE layers")
+            return hidden, cache, stats
+        return hidden, cache
 
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` tokens."""

@@ -10,7 +10,7 @@ import torch
 import eqx_tx
 from eqx_tx.forward import _logits, lengths_from_mask
 from eqx_tx.hf_params import hf_tensors
-from tests.hf_utils import hf_logits, hf_model, ragged_batch
+from tests.hf_utils import hf_logits, hf_model, per_expert, ragged_batch
 
 LENGTHS = [11, 7, 3]
 
@@ -62,9 +62,8 @@ def _ours_grads(model, ids, mask, compute):
     loss, grads = eqx.filter_value_and_grad(_mean_next_token_ce)(model, jnp.asarray(ids), lengths, compute)
     out = {}
     for spec in hf_tensors(grads):
-        g = np.asarray(spec.get(grads))
-        for i, name in enumerate(spec.hf_names()):
-            out[name] = spec.to_hf(g[i] if spec.stacked else g)
+        for name, value in spec.items(spec.get(grads)):
+            out[name] = value
     return float(loss), out
 
 
@@ -79,7 +78,7 @@ def _torch_grads(path, ids, mask):
     valid = t_mask[:, 1:].bool()
     loss = (nll * valid).sum() / valid.sum()
     loss.backward()
-    grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    grads = per_expert({n: p.grad.numpy() for n, p in model.named_parameters()})
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)  # the same tensor as the embedding
     return loss.item(), grads
