@@ -72,10 +72,12 @@ class Args:
     seq_lens: str = "4096,8192"
     output_root: str = "benchmarks/results"
     model: str = "qwen3-4b"
-    """A preset name or a local HF directory (its config.json)."""
+    """A preset (qwen3-4b, llama3.2-1b, llama3.1-8b, qwen2.5-7b, qwen3-30b-a3b) or a local HF directory."""
     tp: int = 8
     sp: int = 1
-    """Context-parallel size (ring attention over the sequence); the mesh is sp x tp devices."""
+    """Context-parallel size (ring attention over the sequence)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models); the mesh is ep x sp x tp devices."""
     device_memory_gib: float = 40.0
     mem_fraction: float = 0.75
     """JAX's default allocator cap: the budget is device_memory_gib * mem_fraction."""
@@ -95,7 +97,8 @@ class Args:
     n: int | None = None
     """Samples per prompt sharing the prompt's KV (sampling); batch sizes count samples."""
     full_finetune: bool = False
-    """Train all weights instead of LoRA rank-32 adapters on every projection (frozen base)."""
+    """Train all weights instead of LoRA rank-32 adapters on every projection (frozen base;
+    attention projections only for MoE models)."""
     lora_rank: int = 32
     prefill_chunk_size: int | None = None
     """Prefill this many positions at a time (default: the stage's; whole prompt before stage 6)."""
@@ -245,7 +248,7 @@ def write_outputs(args: Args, rows: list[dict], out_dir: str, budget: int) -> No
         w.writeheader()
         w.writerows(rows)
     unit = "compile s" if args.measure == "compile" else "s/step"
-    lines = [f"# {args.experiment_name}: {args.mode}, {args.model}, sp={args.sp} x tp={args.tp}, target {args.target}, "
+    lines = [f"# {args.experiment_name}: {args.mode}, {args.model}, ep={args.ep} x sp={args.sp} x tp={args.tp}, target {args.target}, "
              f"budget {args.device_memory_gib:g} GiB x {args.mem_fraction:g} = {budget / 2**30:.1f} GiB", "",
              f"Cells: peak MiB per device / {unit}; ERROR = over budget.", ""]
     seq_lens = sorted({r["seq_len"] for r in rows})
@@ -317,7 +320,7 @@ def main(args: Args) -> None:
 
         from eqx_tx.memory import abstract_sharded_model, target_mesh
 
-        mesh = target_mesh(args.target, sp=args.sp, tp=args.tp)
+        mesh = target_mesh(args.target, ep=args.ep, sp=args.sp, tp=args.tp)
         rank = 0 if (args.mode == "sample" or args.full_finetune) else args.lora_rank
         model = abstract_sharded_model(_config(args), mesh, jnp.dtype(args.dtype), lora_rank=rank)
     rows = []

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from .compute import ComputeConfig
 from .generation import DecodeState, prefill, decode
 from .layers.kv_cache import KVCache, SharedPrefixCache
-from .layers.lora import apply_lora, lora_filter
+from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, lora_filter
 from .loading import abstract_model
 from .models.config import TransformerConfig
 from .sampling import SamplerArrays, SamplingParams
@@ -50,11 +50,13 @@ class MemoryFigures:
         return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes)
 
 
-def target_mesh(target: str, *, dp: int = 1, sp: int = 1, tp: int = 8, targets_dir: str = TARGETS_DIR) -> Mesh:
-    """A `("dp", "sp", "tp")` mesh for `target`: `"cpu"` (the local, possibly fake,
+def target_mesh(
+    target: str, *, dp: int = 1, ep: int = 1, sp: int = 1, tp: int = 8, targets_dir: str = TARGETS_DIR
+) -> Mesh:
+    """A `("dp", "ep", "sp", "tp")` mesh for `target`: `"cpu"` (the local, possibly fake,
     CPU devices) or a GPU name in `TARGET_FILES` (compile-only devices; needs
     `jax-cuda13-plugin` and `JAX_PLATFORMS=cpu`, no GPU)."""
-    n = dp * sp * tp
+    n = dp * ep * sp * tp
     if target == "cpu":
         devices = jax.devices("cpu")
         if len(devices) < n:
@@ -80,7 +82,8 @@ def target_mesh(target: str, *, dp: int = 1, sp: int = 1, tp: int = 8, targets_d
         devices = topo.devices
     else:
         raise ValueError(f"unknown target {target!r}; choose cpu or {', '.join(TARGET_FILES)}")
-    return Mesh(np.asarray(devices, dtype=object).reshape(dp, sp, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    grid = np.asarray(devices, dtype=object).reshape(dp, ep, sp, tp)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _is_array_like(x) -> bool:
@@ -98,11 +101,14 @@ def _sds(shape, dtype, mesh, *names):
 
 
 def abstract_sharded_model(config: TransformerConfig, mesh, dtype=jnp.bfloat16, *, lora_rank: int = 0):
-    """The model as sharded `ShapeDtypeStruct`s (LoRA adapters on all projections if rank > 0)."""
+    """The model as sharded `ShapeDtypeStruct`s; with `lora_rank`, LoRA adapters on every
+    projection (on the attention projections only for MoE models)."""
     model = abstract_model(config, dtype)
     if lora_rank:
+        targets = ATTENTION_TARGETS if config.num_experts else ALL_TARGETS
         model = eqx.filter_eval_shape(
-            lambda m: apply_lora(m, rank=lora_rank, alpha=2.0 * lora_rank, key=jax.random.key(0)), model
+            lambda m: apply_lora(m, rank=lora_rank, alpha=2.0 * lora_rank, targets=targets, key=jax.random.key(0)),
+            model,
         )
     return _with_shardings(model, mesh)
 
