@@ -31,12 +31,9 @@ def checkpoint(request, checkpoints):
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory):
     """The `tiny` preset trained by `tools/train.py` (shortened run): its final HF directory."""
-    import importlib.util
+    from tests.tools_util import load_tool
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("train_tool", os.path.join(root, "tools", "train.py"))
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_tool("train")
     out = tmp_path_factory.mktemp("trained") / "tiny"
     train.main(train.Args(output_dir=str(out), steps=60, progress=False))
     return str(out / "final")

@@ -1,23 +1,16 @@
 """tools/sample.py: default-model message, prompts, streaming output."""
 
-import importlib.util
-import os
-
 import jax
 import pytest
 
 import eqx_tx
 from eqx_tx.data import TINY_TOKENIZER
 from eqx_tx.presets import preset
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.tools_util import load_tool
 
 
 def _sample_module():
-    spec = importlib.util.spec_from_file_location("sample_tool", os.path.join(ROOT, "tools", "sample.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("sample")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """tools/train.py: resume across processes, the default preset run, bad inputs."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,14 @@ import pytest
 from safetensors.numpy import load_file
 
 from eqx_tx.checkpoint import read_metadata
+from tests.tools_util import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tools", "train.py")
 
 
 def _train_module():
-    spec = importlib.util.spec_from_file_location("train_tool", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train")
 
 
 @pytest.fixture(scope="module")
