@@ -1,22 +1,47 @@
 """eqx_tx: memory-first training and sampling of Hugging Face LLMs in JAX + Equinox."""
 
+from .adapters import load_adapter, save_adapter
 from .compute import ComputeConfig
 from .forward import init_model, logits
+from .generation import Generation, generate, generate_text
+from .layers.lora import apply_lora, merge_lora
 from .loading import load
-from .models import CausalLM, Qwen3Config, config_from_hf
+from .loss import token_logprobs, weighted_cross_entropy
+from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, config_from_hf
+from .sampling import SamplingParams
 from .saving import save
 from .sharding import RULES, make_mesh, shard
+from .training import Batch, OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
 
 __all__ = [
+    "Batch",
     "CausalLM",
     "ComputeConfig",
+    "Generation",
+    "LlamaConfig",
+    "OptimizerConfig",
+    "Qwen2Config",
     "Qwen3Config",
+    "Qwen3MoeConfig",
     "RULES",
+    "SamplingParams",
+    "TrainConfig",
+    "TrainState",
+    "apply_lora",
     "config_from_hf",
+    "generate",
+    "generate_text",
     "init_model",
+    "init_train_state",
     "load",
+    "load_adapter",
     "logits",
     "make_mesh",
+    "merge_lora",
     "save",
+    "save_adapter",
     "shard",
+    "token_logprobs",
+    "train_step",
+    "weighted_cross_entropy",
 ]
