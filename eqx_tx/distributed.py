@@ -14,9 +14,10 @@ import time
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from ._log import logger
+from .sharding import logical_to_spec
 
 
 @dataclasses.dataclass
@@ -105,18 +106,23 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def batch_sharding(mesh, batch_size: int) -> NamedSharding:
+    """How a `[batch, ...]` array is laid out: the `batch` rule (over `dp` and `ep`)."""
+    return NamedSharding(mesh, logical_to_spec(("batch",), (batch_size,), mesh))
+
+
 def local_rows(mesh, batch_size: int) -> slice:
-    """The rows of a `[batch, ...]` array sharded over `dp` that this process's devices hold."""
-    sharding = NamedSharding(mesh, P("dp"))
+    """The rows of a `[batch, ...]` array that this process's devices hold."""
+    sharding = batch_sharding(mesh, batch_size)
     rows = [idx[0].indices(batch_size)[:2] for idx in sharding.addressable_devices_indices_map((batch_size,)).values()]
     start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
     return slice(start, stop)
 
 
 def global_batch(tree, mesh, batch_size: int):
-    """Assemble `[batch, ...]` arrays sharded over `dp` from this process's rows
-    (`tree` holds only the rows `local_rows(mesh, batch_size)`)."""
-    sharding = NamedSharding(mesh, P("dp"))
+    """Assemble `[batch, ...]` arrays sharded by the `batch` rule from this process's
+    rows (`tree` holds only the rows `local_rows(mesh, batch_size)`)."""
+    sharding = batch_sharding(mesh, batch_size)
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
     return jax.tree.map(

@@ -58,7 +58,7 @@ RULES: Mapping[str, MeshAxes] = {
     "act_kv_heads": "tp",
     "act_mlp": "tp",
     "act_vocab": "tp",
-    "cache_batch": "dp",
+    "cache_batch": ("dp", "ep"),
     "cache_seq": None,
     "cache_kv_heads": "tp",
 }

@@ -47,6 +47,8 @@ class Args:
     """Context-parallel size (ring attention over the sequence); the mesh is dp x sp x tp."""
     sequence_parallel: bool = False
     """Also split activations between blocks over the sequence on the tp devices."""
+    ep: int = 1
+    """Expert-parallel size (MoE models: experts split over it); the mesh is dp x ep x sp x tp."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype (auto: float32 for presets, the checkpoint's dtype otherwise)."""
     attention: Literal["auto", "cudnn", "blockwise", "xla"] = "auto"
@@ -89,17 +91,17 @@ def main(args: Args) -> None:
     from eqx_tx.saving import tokenizer_files
     from eqx_tx.training import OptimizerConfig, TrainConfig, init_train_state, train_step
 
-    for name in ("seq_len", "batch_size", "micro_batches", "steps", "tp", "sp", "save_every", "loss_chunk_size"):
+    for name in ("seq_len", "batch_size", "micro_batches", "steps", "tp", "sp", "ep", "save_every", "loss_chunk_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size % args.micro_batches:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
 
-    mesh = eqx_tx.make_mesh(sp=args.sp, tp=args.tp)
-    dp = mesh.shape["dp"]
+    mesh = eqx_tx.make_mesh(ep=args.ep, sp=args.sp, tp=args.tp)
+    dp = mesh.shape["dp"] * mesh.shape["ep"]  # the batch is split over dp and ep
     if args.batch_size % (dp * args.micro_batches):
         raise ValueError(
-            f"--batch-size {args.batch_size} is not divisible by data-parallel size {dp} "
+            f"--batch-size {args.batch_size} is not divisible by the batch-parallel size {dp} "
             f"({len(mesh.devices.flat)} devices / (sp {args.sp} x tp {args.tp})) x --micro-batches {args.micro_batches}"
         )
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]

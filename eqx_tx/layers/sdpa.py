@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._log import log_once
+from ..sharding import current_mesh, logical_to_spec
 from .flash import flash_attention
 from .kv_cache import Quantized
 
@@ -89,6 +90,12 @@ def _cudnn_reason(q, k, q_offset) -> str | None:
         return f"head_dim {q.shape[-1]} not supported by cuDNN"
     if not (isinstance(q_offset, int) and q_offset == 0):
         return "queries start after position 0 (cache offset); cuDNN's causal mask is top-left aligned"
+    mesh = current_mesh()
+    if mesh is not None:
+        q_spec = logical_to_spec(("batch", None, "act_heads", None), q.shape, mesh)
+        k_spec = logical_to_spec(("batch", None, "act_kv_heads", None), k.shape, mesh)
+        if q_spec != k_spec:  # cuDNN's partitioner needs q, k and v laid out alike
+            return f"query heads and key/value heads shard differently ({q_spec} vs {k_spec})"
     return None
 
 
