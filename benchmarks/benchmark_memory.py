@@ -180,7 +180,7 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
 
     import eqx_tx
     from eqx_tx.generation import generate
-    from eqx_tx.layers.lora import apply_lora
+    from eqx_tx.layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora
     from eqx_tx.sampling import SamplingParams
     from eqx_tx.training import Batch, init_train_state, train_step
 
@@ -195,12 +195,15 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
     times = []
     if args.mode == "train":
         if not args.full_finetune:
-            model = eqx_tx.shard(apply_lora(model, rank=args.lora_rank, alpha=2.0 * args.lora_rank, key=jax.random.key(1)), mesh)
+            targets = ATTENTION_TARGETS if config.num_experts else ALL_TARGETS
+            model = apply_lora(model, rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=targets,
+                               key=jax.random.key(1))
+            model = eqx_tx.shard(model, mesh)
         tc = _train_config(args, settings)
         with jax.set_mesh(mesh):
             state = init_train_state(model, tc)
         del model
-        for i in range(args.run_steps + 1):
+        for _ in range(args.run_steps + 1):
             ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq_len + 1)), jnp.int32)
             b = Batch(ids[:, :-1], ids[:, 1:], jnp.ones((batch, seq_len), jnp.float32), jnp.full((batch,), seq_len))
             t = time.perf_counter()
@@ -211,7 +214,7 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
         prompts = rng.integers(0, config.vocab_size, (batch, seq_len // 2)).tolist()
         params = SamplingParams(max_new_tokens=seq_len - seq_len // 2, temperature=1.0, stop_token_ids=())
         n = settings["n"]
-        for i in range(args.run_steps + 1):
+        for _ in range(args.run_steps + 1):
             t = time.perf_counter()
             generate(model, prompts[: max(1, batch // n)], params, n=n, prefill_chunk_size=settings["prefill_chunk_size"],
                      cache_dtype=settings["kv_cache_dtype"], compute=_compute(settings))

@@ -149,7 +149,7 @@ def restore_checkpoint(path: str | os.PathLike, template: TrainState) -> tuple[T
     files = sorted(n for n in os.listdir(directory) if n.startswith("shards-") and n.endswith(".safetensors"))
     handles = {n: safe_open(os.path.join(directory, n), framework="flax") for n in files}
     pieces: dict[str, list] = {}
-    for n, handle in handles.items():
+    for handle in handles.values():
         for key in handle.keys():
             name, box = _parse_box_key(key)
             pieces.setdefault(name, []).append((handle, key, box))

@@ -35,6 +35,6 @@ def trained_tiny(tmp_path_factory):
 
     train = load_tool("train")
     out = tmp_path_factory.mktemp("trained") / "tiny"
-    train.main(train.Args(output_dir=str(out), steps=60, progress=False))
+    train.main(train.Args(output_dir=str(out), steps=40, progress=False))
     return str(out / "final")
 

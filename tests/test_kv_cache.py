@@ -9,7 +9,6 @@ from tokenizers import Tokenizer
 import eqx_tx
 from eqx_tx.generation import generate, teacher_forced_logits
 from eqx_tx.layers.kv_cache import Quantized
-from eqx_tx.loading import abstract_model
 from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_sampling, target_mesh
 from eqx_tx.sampling import SamplingParams
 
@@ -60,9 +59,9 @@ def test_int8_cache_quality_on_the_trained_model(trained_tiny):
     assert err < 0.2
 
 
-def test_int8_cache_quality_on_random_checkpoints(checkpoint):
-    _, path = checkpoint
-    model = eqx_tx.load(path, progress=False)
+@pytest.mark.parametrize("name", ["gqa4_bias", "llama3", "qwen3_moe"])
+def test_int8_cache_quality_on_random_checkpoints(checkpoints, name):
+    model = eqx_tx.load(checkpoints[name], progress=False)
     rng = np.random.default_rng(0)
     kl, _ = _kl(model, rng.integers(0, model.config.vocab_size, (4, 20)).tolist(), 24)
     assert kl.mean() <= 1e-5

@@ -100,18 +100,6 @@ def straight(checkpoints, data, tmp_path_factory):
     return out
 
 
-def test_two_processes_train_like_one(checkpoints, data, straight, tmp_path):
-    out = tmp_path / "multi"
-    r = _multi("train.py", *_train_args(checkpoints["mha_tied"], data, out, "--tp", "2", "--save-every", "3"))
-    assert "[0] saved" in r.stdout and "[1] saved" not in r.stdout  # process 0 reports
-    assert sorted(os.listdir(out / "checkpoint" / "step_00000006")) == [
-        "COMMITTED", "metadata.json", "shards-00000.safetensors", "shards-00001.safetensors"]
-    _assert_states_equal(_state(out, 6), _state(straight, 6))
-    a, b = load_file(str(out / "final" / "model.safetensors")), load_file(str(straight / "final" / "model.safetensors"))
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
-
-
 def test_lora_dp8_two_processes_like_one(checkpoints, data, tmp_path):
     args = ["--lora-rank", "4", "--steps", "3"]
     _single("train.py", *_train_args(checkpoints["gqa_untied"], data, tmp_path / "one", *args))
@@ -123,15 +111,24 @@ def test_lora_dp8_two_processes_like_one(checkpoints, data, tmp_path):
         np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
 
 
-def test_save_with_two_resume_with_one_and_back(checkpoints, data, straight, tmp_path):
+def test_two_processes_train_like_one_and_resume_across_process_counts(checkpoints, data, straight, tmp_path):
+    """tp=2 x dp=4 over 2 processes: 3 steps by 2 processes then 3 by 1, and the
+    reverse, both equal 6 steps of one process (so every multi-process step does)."""
     ckpt = checkpoints["mha_tied"]
-    _multi("train.py", *_train_args(ckpt, data, tmp_path / "a", "--tp", "2", "--stop-after", "3"))
+    r = _multi("train.py", *_train_args(ckpt, data, tmp_path / "a", "--tp", "2", "--stop-after", "3"))
+    assert "[0] stopped after step 3" in r.stdout and "[1] stopped" not in r.stdout  # process 0 reports
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoint" / "step_00000003")) == [
+        "COMMITTED", "metadata.json", "shards-00000.safetensors", "shards-00001.safetensors"]
     assert read_metadata(tmp_path / "a" / "checkpoint")["processes"] == 2
     _single("train.py", *_train_args(ckpt, data, tmp_path / "a", "--tp", "2", "--resume"))
     _assert_states_equal(_state(tmp_path / "a", 6), _state(straight, 6))
     _single("train.py", *_train_args(ckpt, data, tmp_path / "b", "--tp", "2", "--stop-after", "3"))
     _multi("train.py", *_train_args(ckpt, data, tmp_path / "b", "--tp", "2", "--resume"))
     _assert_states_equal(_state(tmp_path / "b", 6), _state(straight, 6))
+    # The HF export written by the two processes equals the single-process one.
+    a, b = load_file(str(tmp_path / "b" / "final" / "model.safetensors")), load_file(str(straight / "final" / "model.safetensors"))
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
 
 
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(checkpoints, data, tmp_path):

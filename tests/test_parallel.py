@@ -108,8 +108,9 @@ def test_ring_attention_equals_reference_with_padding():
     with jax.set_mesh(mesh):
         o, g = jax.jit(lambda q, k, v: (ours(q, k, v), jax.grad(lambda *a: jnp.sum(ours(*a) * cot), (0, 1, 2))(q, k, v)))(q, k, v)
     np.testing.assert_allclose(o, ref(q, k, v), atol=1e-5)
-    for a, b in zip(g, jax.grad(lambda *a: jnp.sum(ref(*a) * cot), (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    g_ref = jax.grad(lambda *args: jnp.sum(ref(*args) * cot), (0, 1, 2))(q, k, v)
+    for ours_g, ref_g in zip(g, g_ref):
+        np.testing.assert_allclose(ours_g, ref_g, atol=1e-5)
 
 
 def _saved_bytes_per_layer(dp, sp, tp, sequence_parallel):
@@ -117,14 +118,14 @@ def _saved_bytes_per_layer(dp, sp, tp, sequence_parallel):
     from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
 
     temps = []
-    for layers in (4, 8):
+    for layers in (2, 4):
         config = dataclasses.replace(_memory_config(), num_hidden_layers=layers)
         mesh = target_mesh("cpu", dp=dp, sp=sp, tp=tp)
         model = abstract_sharded_model(config, mesh, jnp.float32, lora_rank=2)
         train = TrainConfig(loss_chunk_size=512, compute=eqx_tx.ComputeConfig(
             attention="blockwise", sequence_parallel=sequence_parallel))
         temps.append(MemoryFigures.of(compile_train_step(model, mesh, 2, 2048, train)).temp)
-    return (temps[1] - temps[0]) / 4
+    return (temps[1] - temps[0]) / 2
 
 
 def _memory_config():
