@@ -44,7 +44,7 @@ def _logits(model: CausalLM, input_ids, lengths, compute: ComputeConfig):
     hidden, _ = model.hidden_states(
         input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0), compute=compute
     )
-    return jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
+    return model.head_logits(hidden)
 
 
 def logits(

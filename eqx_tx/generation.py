@@ -54,8 +54,7 @@ class DecodeState(eqx.Module):
 
 def _last_token_logits(model: CausalLM, hidden_bd):
     """LM head on one hidden vector per sequence: `[batch, vocab]`, float32."""
-    logits = jnp.einsum("bd,vd->bv", hidden_bd, model.head_weight(), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "act_vocab"))
+    return constrain(model.head_logits(hidden_bd), ("batch", "act_vocab"))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "compute", "full_logits"), donate_argnames="cache")
@@ -85,7 +84,7 @@ def prefill(
         mask = AttentionMask(lengths, start if isinstance(start, int) else jnp.broadcast_to(start, (B,)))
         hidden, cache = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
         if full_logits:
-            hidden = jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
+            hidden = model.head_logits(hidden)
         # Keep each sequence's last prompt token (hidden state, or logits) if it is in this chunk.
         idx = jnp.clip(lengths - 1 - start, 0, chunk - 1)
         here = ((lengths - 1 - start) >= 0) & ((lengths - 1 - start) < chunk)

@@ -186,7 +186,7 @@ def _micro_batch_loss(params, frozen, batch: Batch, config: TrainConfig, count, 
     )
     hidden = out[0]
     if config.loss_chunk_size is None:  # the naive baseline: full logits, plain autodiff
-        logits = jnp.einsum("btd,vd->btv", hidden, model.head_weight(), preferred_element_type=jnp.float32)
+        logits = model.head_logits(hidden)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
     else:
         logp = chunked_logprobs(hidden, model.head_weight(), targets, chunk_size=config.loss_chunk_size)

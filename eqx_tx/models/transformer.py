@@ -97,6 +97,11 @@ class CausalLM(eqx.Module):
         """The LM head matrix (the embedding table when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def head_logits(self, hidden: Float[Array, "*rows embed"]) -> Float[Array, "*rows vocab"]:
+        """The LM head applied to every row of `hidden`, in float32. Materialises the
+        full logits: training and sampling use the chunked / last-token paths."""
+        return jnp.einsum("...d,vd->...v", hidden, self.head_weight(), preferred_element_type=jnp.float32)
+
     def hidden_states(
         self,
         input_ids: Int[Array, "batch seq"],
