@@ -29,7 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .fileio import barrier, fsync_dir
+from .fileio import barrier, fsync_dir, fsync_file, write_text_durably
 from .loading import host_device
 from .training import TrainState
 
@@ -82,28 +82,22 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, *, metadata: dic
             shutil.rmtree(directory)
         os.makedirs(directory)
     barrier(f"checkpoint-{step}-open")
+    flat = _flat(_saved_part(state))
     tensors = {}
-    for name, leaf in _flat(_saved_part(state)):
+    for name, leaf in flat:
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
                 tensors[_box_key(name, shard.index, leaf.shape)] = np.asarray(shard.data)
     path = os.path.join(directory, f"shards-{jax.process_index():05d}.safetensors")
     save_file(tensors, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    fsync_file(path)
     _fault_injection(step)
     barrier(f"checkpoint-{step}-written")
     if jax.process_index() == 0:
         meta = dict(metadata, step=step, processes=jax.process_count())
-        meta["leaves"] = {name: [list(leaf.shape), str(leaf.dtype)] for name, leaf in _flat(_saved_part(state))}
-        with open(os.path.join(directory, METADATA_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(directory, COMMIT_MARKER), "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        meta["leaves"] = {name: [list(leaf.shape), str(leaf.dtype)] for name, leaf in flat}
+        write_text_durably(os.path.join(directory, METADATA_FILE), json.dumps(meta, indent=2))
+        write_text_durably(os.path.join(directory, COMMIT_MARKER), f"{step}\n")
         fsync_dir(directory)
         for old in _step_dirs(root)[:-_KEEP]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)

@@ -6,6 +6,19 @@ import shutil
 import tempfile
 
 
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def write_text_durably(path: str, text: str) -> None:
+    """Write `text` to `path` and fsync it before returning."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -32,8 +45,7 @@ def atomic_directory(directory: str | os.PathLike):
         yield tmp
         for entry in os.scandir(tmp):
             if entry.is_file():
-                with open(entry.path, "rb") as f:
-                    os.fsync(f.fileno())
+                fsync_file(entry.path)
         fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -56,4 +68,3 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-

@@ -112,8 +112,6 @@ def _normalise(s, n) -> slice:
     return slice(start, stop, step)
 
 
-
-
 def hf_tensors(model) -> Iterator[HFTensor]:
     """Every array of `model` (concrete or abstract) as an `HFTensor`, in tree order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, HasAxes))
