@@ -4,7 +4,6 @@ The real tools run as subprocesses: `tools/launch_local.py` starts the processes
 multi-host run; a single-process run of the same global batch is the reference.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from eqx_tx.checkpoint import IncompleteCheckpointError, latest_checkpoint, read_metadata
+from tests.tools_util import write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -45,12 +45,7 @@ def _multi(tool, *args, env_extra=None, check=True):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mh") / "ids.jsonl"
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for _ in range(64):
-            f.write(json.dumps({"input_ids": rng.integers(0, 97, size=int(rng.integers(5, 40))).tolist()}) + "\n")
-    return str(path)
+    return write_token_ids(tmp_path_factory.mktemp("mh") / "ids.jsonl", rows=64, max_len=40)
 
 
 def _train_args(ckpt, data, out, *extra):

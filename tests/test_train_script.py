@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from eqx_tx.checkpoint import read_metadata
-from tests.tools_util import load_tool
+from tests.tools_util import load_tool, write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tools", "train.py")
@@ -22,12 +22,7 @@ def _train_module():
 
 @pytest.fixture(scope="module")
 def token_data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "ids.jsonl"
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for _ in range(40):
-            f.write(json.dumps({"input_ids": rng.integers(0, 97, size=rng.integers(5, 30)).tolist()}) + "\n")
-    return str(path)
+    return write_token_ids(tmp_path_factory.mktemp("data") / "ids.jsonl", rows=40, max_len=30)
 
 
 def _run(*args):
