@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..compute import ComputeConfig
 from .._log import log_once
 from ..sharding import constrain, context_parallel_size, current_mesh
-from .flash import flash_attention
+from .flash import flash_attention, merge_partials
 from .kv_cache import KVCache, SharedPrefixCache
 from .linear import Linear
 from .norm import RMSNorm
@@ -154,10 +154,6 @@ def _shared_prefix_attention(q, k, v, cache: SharedPrefixCache, layer, positions
         q.reshape(P, n * T, H, K), k_prompt, v_prompt, kv_lengths=cache.prompt_lengths, causal=False, **blocks
     )
     o_pre, lse_pre = o_pre.reshape(S, T, H, K), lse_pre.reshape(S, T, H)
-    lse = jnp.logaddexp(lse_own, lse_pre)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    o = o_own.astype(jnp.float32) * jnp.exp(lse_own - safe)[..., None]
-    o = o + o_pre.astype(jnp.float32) * jnp.exp(lse_pre - safe)[..., None]
+    o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
     log_once("attention: shared prefix (prompt and completion parts, blockwise), merged by log-sum-exp")
     return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, cache, completion)
-

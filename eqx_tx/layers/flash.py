@@ -294,3 +294,18 @@ def flash_attention(
     o, lse = _flash(qkv, kv_lengths, q_pos, k_pos, static)
     Tp = q_pos.shape[1]
     return o.reshape(B, Tp, H, K)[:, :T], lse.reshape(B, Tp, H)[:, :T]
+
+
+def merge_partials(
+    o_a: Float[Array, "*rows head_dim"],
+    lse_a: Float[Array, "*rows"],
+    o_b: Float[Array, "*rows head_dim"],
+    lse_b: Float[Array, "*rows"],
+) -> tuple[Float[Array, "*rows head_dim"], Float[Array, "*rows"]]:
+    """Combine two attention results over disjoint key sets into the result over their
+    union, exactly, by their log-sum-exps (`-inf`: no visible key). **Returns** the
+    float32 output and log-sum-exp."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    o = o_a.astype(jnp.float32) * jnp.exp(lse_a - safe)[..., None]
+    return o + o_b.astype(jnp.float32) * jnp.exp(lse_b - safe)[..., None], lse

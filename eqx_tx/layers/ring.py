@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._log import log_once
 from ..sharding import logical_to_spec
-from .flash import _backward, _forward, prepare
+from .flash import _backward, _forward, merge_partials, prepare
 
 AXIS = "sp"
 
@@ -63,13 +63,6 @@ class _Ring:
     size: int
 
 
-def _merge(o_acc, lse_acc, o_new, lse_new):
-    lse = jnp.logaddexp(lse_acc, lse_new)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w_acc, w_new = jnp.exp(lse_acc - safe), jnp.exp(lse_new - safe)
-    return o_acc * w_acc[..., None] + o_new.astype(jnp.float32) * w_new[..., None], lse
-
-
 def _shift(tree, size):
     return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % size) for i in range(size)])
 
@@ -78,7 +71,7 @@ def _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring: _Ring):
     def step(_, carry):
         o_acc, lse_acc, k, v, k_pos = carry
         o, lse = _forward(q, k, v, kv_lengths, q_pos, k_pos, static)
-        o_acc, lse_acc = _merge(o_acc, lse_acc, o, lse)
+        o_acc, lse_acc = merge_partials(o_acc, lse_acc, o, lse)
         k, v, k_pos = _shift((k, v, k_pos), ring.size)
         return o_acc, lse_acc, k, v, k_pos
 
