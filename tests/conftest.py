@@ -37,4 +37,3 @@ def trained_tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "tiny"
     train.main(train.Args(output_dir=str(out), steps=40, progress=False))
     return str(out / "final")
-

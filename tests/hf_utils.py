@@ -93,4 +93,3 @@ def per_expert(named: dict) -> dict:
         else:
             out[name] = value
     return out
-

@@ -158,4 +158,3 @@ def common_to_hf(config: TransformerConfig, **extra) -> dict:
         "eos_token_id": eos,
         **extra,
     }
-
