@@ -29,6 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from .distributed import to_host
 from .fileio import barrier, fsync_dir, fsync_file, write_text_durably
 from .loading import host_device
 from .training import TrainState
@@ -75,7 +76,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, *, metadata: dic
 
     Every process must call this (it contains barriers). **Returns** the step directory.
     """
-    step = int(np.asarray(state.step.addressable_shards[0].data))  # replicated: every process has it
+    step = int(to_host(state.step))
     directory = os.path.join(os.fspath(root), f"step_{step:08d}")
     if jax.process_index() == 0:
         if os.path.exists(directory):  # an interrupted earlier attempt at this step

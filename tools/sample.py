@@ -86,6 +86,7 @@ def main(args: Args) -> None:
     from eqx_tx.distributed import initialize, is_main_process
 
     initialize(args.distributed)  # before anything touches a device
+    import jax
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
@@ -101,8 +102,6 @@ def main(args: Args) -> None:
         raise FileNotFoundError(f"{directory} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(tokenizer_path)
     dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
-    import jax
-
     mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 or jax.process_count() > 1 else None
     main_process = is_main_process()
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)

@@ -77,7 +77,6 @@ def main(args: Args) -> None:
     initialize(args.distributed)  # before anything touches a device
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from tokenizers import Tokenizer
     from tqdm.auto import tqdm
 
@@ -91,6 +90,7 @@ def main(args: Args) -> None:
     from eqx_tx.saving import tokenizer_files
     from eqx_tx.training import OptimizerConfig, TrainConfig, init_train_state, train_step
 
+    main_process = is_main_process()
     for name in ("seq_len", "batch_size", "micro_batches", "steps", "tp", "sp", "ep", "save_every", "loss_chunk_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -131,7 +131,7 @@ def main(args: Args) -> None:
     if max(max(d) for d in docs) >= config.vocab_size:
         raise ValueError(f"dataset has token ids >= the model's vocab_size {config.vocab_size}")
     examples = Examples(docs, args.seq_len, packing=args.packing, pad_id=eos or 0, long_sequences=args.long_sequences)
-    if examples.truncated and is_main_process():
+    if examples.truncated and main_process:
         print(f"note: truncated {examples.truncated} document(s) longer than {args.seq_len + 1} tokens")
 
     if is_preset:
@@ -167,12 +167,11 @@ def main(args: Args) -> None:
         if changed:
             raise ValueError(f"--resume with different settings than the checkpoint: {changed}")
         state, meta = restore_checkpoint(checkpoint_dir, state)
-        if is_main_process():
+        if main_process:
             print(f"resumed from {checkpoint_dir} at step {meta['step']}")
 
     rows = local_rows(mesh, args.batch_size)  # this process's share of every batch
-    start = int(np.asarray(state.step.addressable_shards[0].data))
-    main_process = is_main_process()
+    start = int(to_host(state.step))
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not (args.progress and main_process),
                desc="train")
