@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import tyro
 
 import eqx_tx
-from eqx_tx.layers.sdpa import dot_product_attention
+from eqx_tx.kernels.dispatch import dot_product_attention
 from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
 from eqx_tx.training import TrainConfig
 

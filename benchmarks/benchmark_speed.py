@@ -21,7 +21,8 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.generation import generate, new_cache, prefill
+from eqx_tx.generation import generate, prefill
+from eqx_tx.models.transformer import new_cache
 from eqx_tx.sampling import SamplingParams
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 
@@ -77,7 +78,7 @@ def eqx_figures(path, args: Args, rng) -> dict:
     lengths = jnp.full((B,), T, jnp.int32)
 
     def run_prefill():
-        cache = new_cache(model, B, T)
+        cache = new_cache(model.config, B, T, model.dtype)
         jax.block_until_ready(prefill(model, cache, tokens, lengths, chunk=T, compute=compute))
 
     t = time.perf_counter()

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import tyro
 
-from eqx_tx.layers.sdpa import dot_product_attention
+from eqx_tx.kernels.dispatch import dot_product_attention
 
 
 @dataclasses.dataclass

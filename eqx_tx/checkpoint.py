@@ -29,9 +29,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .distributed import to_host
+from .distributed import host_device, to_host
 from .fileio import barrier, fsync_dir, fsync_file, write_text_durably
-from .loading import host_device
 from .training import TrainState
 
 METADATA_FILE = "metadata.json"

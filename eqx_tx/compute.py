@@ -1,17 +1,21 @@
 """How a model is run (as opposed to what it is): attention kernel, remat policy.
 
 A `ComputeConfig` is a frozen, hashable value passed as a static argument to every
-function that runs a model; the model pytree itself holds only parameters.
+function that runs a model; the model pytree itself holds only parameters. This
+module sits below the kernels (`eqx_tx.kernels.dispatch` reads it) and imports
+nothing from the package.
 """
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 
-from .layers.sdpa import IMPLEMENTATIONS, Implementation
+AttentionImpl = Literal["auto", "cudnn", "blockwise", "xla"]
+ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 
 RematPolicy = Literal["none", "full", "dots", "names"]
+REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
 
 # Tensors tagged with `jax.ad_checkpoint.checkpoint_name` inside a decoder block,
 # available to `remat="names"`.
@@ -20,34 +24,34 @@ CHECKPOINT_NAMES = ("q", "k", "v", "attention", "mlp_hidden", "block_attn_out")
 
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig:
-    """Execution options shared by forward, training and generation.
+    """Execution options shared by forward, training and generation."""
 
-    **Arguments:**
-
-    - `attention`: `"auto"` (default), `"cudnn"`, `"blockwise"` or `"xla"`
-      (see `eqx_tx.layers.sdpa`).
-    - `block_q`, `block_kv`: tile sizes of the blockwise kernel.
-    - `remat`: what each scanned layer keeps for the backward pass:
-      `"full"` (default) keeps only the layer-boundary activations and recomputes
-      the layer; `"none"` keeps everything; `"dots"` keeps matmul outputs without
-      batch dimensions; `"names"` keeps the tensors named in `remat_names`.
-    - `remat_names`: tensor names for `remat="names"`, from `CHECKPOINT_NAMES`.
-    - `sequence_parallel`: shard activations between blocks over the sequence on
-      the `tp` axis (Megatron-style sequence parallelism).
-    """
-
-    attention: Implementation = "auto"
+    attention: AttentionImpl = "auto"
+    """Attention kernel: `auto` (cuDNN where it can run, else blockwise for large score
+    tiles, else xla; logged once), `cudnn`, `blockwise` (pure-JAX flash) or `xla`
+    (materialised scores, the reference)."""
     block_q: int = 512
+    """Query tile size of the blockwise kernel."""
     block_kv: int = 512
+    """Key/value tile size of the blockwise kernel."""
     remat: RematPolicy = "full"
+    """What each scanned layer keeps for the backward pass: `full` keeps only the
+    layer-boundary activations and recomputes the layer, `none` keeps everything,
+    `dots` keeps matmul outputs without batch dimensions, `names` keeps the tensors
+    named in `remat_names`."""
     remat_names: tuple[str, ...] = ()
+    """Tensor names kept under `remat=names`: q, k, v, attention, mlp_hidden, block_attn_out."""
     sequence_parallel: bool = False
+    """Shard the activations between blocks over the sequence on the `tp` axis
+    (Megatron-style sequence parallelism)."""
 
     def __post_init__(self):
-        if self.attention not in IMPLEMENTATIONS:
-            raise ValueError(f"attention={self.attention!r}; choose from {IMPLEMENTATIONS}")
-        if self.remat not in ("none", "full", "dots", "names"):
-            raise ValueError(f"remat={self.remat!r}; choose from none, full, dots, names")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown attention implementation {self.attention!r}; choose from {ATTENTION_IMPLEMENTATIONS}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; choose from {', '.join(REMAT_POLICIES)}")
         unknown = set(self.remat_names) - set(CHECKPOINT_NAMES)
         if unknown:
             raise ValueError(f"remat_names {sorted(unknown)} unknown; choose from {CHECKPOINT_NAMES}")

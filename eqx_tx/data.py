@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from .training import Batch
+from .batch import Batch
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 TINY_STORIES = os.path.join(DATA_DIR, "tiny_stories.jsonl")

@@ -138,3 +138,11 @@ def to_host(x) -> np.ndarray:
     if x.sharding.is_fully_replicated:
         return np.asarray(x.addressable_shards[0].data)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def host_device():
+    """This process's CPU device, so tensors read from disk stay in host memory."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None

@@ -41,10 +41,8 @@ def positions_for(batch: int, seq_len: int) -> Int[Array, "batch seq"]:
 @functools.partial(jax.jit, static_argnames="compute")
 def _logits(model: CausalLM, input_ids, lengths, compute: ComputeConfig):
     B, T = input_ids.shape
-    hidden, _ = model.hidden_states(
-        input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0), compute=compute
-    )
-    return model.head_logits(hidden)
+    out = model.hidden_states(input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0), compute=compute)
+    return model.head_logits(out.hidden)
 
 
 def logits(

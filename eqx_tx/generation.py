@@ -21,10 +21,12 @@ from jaxtyping import Array, Float, Int
 from .compute import ComputeConfig
 from .distributed import to_host
 from .layers.attention import AttentionMask
-from .layers.kv_cache import KVCache, SharedPrefixCache
+from .layers.kv_cache import Cache, KVCache, SharedPrefixCache
 from .models import CausalLM
+from .models.transformer import new_cache
 from .sampling import SamplerArrays, SamplingParams, sample_batch
-from .sharding import constrain, current_mesh, mesh_context, tree_shardings
+from .sharding import constrain, current_mesh, mesh_context
+from .util import round_up
 
 STOP_REASONS = ("running", "stop", "length")
 
@@ -42,7 +44,7 @@ class Generation:
 class DecodeState(eqx.Module):
     """Everything the decode loop carries between steps."""
 
-    cache: KVCache | SharedPrefixCache
+    cache: Cache
     logits: Float[Array, "batch vocab"]  # next-token logits of each sequence
     lengths: Int[Array, " batch"]  # position of the next token (prompt + generated so far)
     generated: Int[Array, " batch"]  # new tokens produced so far
@@ -82,7 +84,8 @@ def prefill(
         positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         # q_offset stays the static 0 for the first chunk (cuDNN can run there).
         mask = AttentionMask(lengths, start if isinstance(start, int) else jnp.broadcast_to(start, (B,)))
-        hidden, cache = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
+        out = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
+        hidden, cache = out.hidden, out.cache
         if full_logits:
             hidden = model.head_logits(hidden)
         # Keep each sequence's last prompt token (hidden state, or logits) if it is in this chunk.
@@ -97,6 +100,13 @@ def prefill(
     if n_chunks > 1:
         cache, last = jax.lax.fori_loop(1, n_chunks, lambda i, c: run_chunk(i * chunk, *c), (cache, last))
     return cache, (last if full_logits else _last_token_logits(model, last))
+
+
+def _decode_one(model: CausalLM, cache: Cache, token, positions, mask: AttentionMask, compute: ComputeConfig):
+    """Feed one token per sequence at `positions`; returns the cache and the next logits."""
+    out = model.hidden_states(token[:, None], positions=positions[:, None], mask=mask, compute=compute, cache=cache)
+    assert out.cache is not None
+    return out.cache, _last_token_logits(model, out.hidden[:, 0])
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames="state")
@@ -124,46 +134,158 @@ def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_step
         hit_stop = jnp.any(token[:, None] == sampler.stop_ids, axis=-1)
         done = jnp.where(running & hit_stop, 1, s.done)
         done = jnp.where((done == 0) & (generated >= sampler.max_new), 2, done)
-        if isinstance(s.cache, SharedPrefixCache):  # own completion slots; the prompt is shared
-            mask = AttentionMask(kv_lengths=s.generated + 1, q_offset=s.generated)
-        else:
-            mask = AttentionMask(kv_lengths=s.lengths + 1, q_offset=s.lengths)
-        hidden, cache = model.hidden_states(
-            token[:, None], positions=s.lengths[:, None], mask=mask, compute=compute, cache=s.cache
-        )
-        logits = _last_token_logits(model, hidden[:, 0])
+        # A shared-prefix cache masks the sample's own completion slots; the prompt is shared.
+        slot = s.generated if isinstance(s.cache, SharedPrefixCache) else s.lengths
+        cache, logits = _decode_one(model, s.cache, token, s.lengths, AttentionMask.decode(slot), compute)
         lengths = s.lengths + running
         return DecodeState(cache, logits, lengths, generated, done, tokens, logprobs, s.step + 1)
 
     return jax.lax.while_loop(cond, body, state)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+def _cache_for(model: CausalLM, batch: int, max_len: int, dtype) -> KVCache:
+    """A zero cache for `model` on the context mesh (`dtype` None: the model's)."""
+    return new_cache(model.config, batch, max_len, model.dtype if dtype is None else dtype, mesh=current_mesh())
 
 
-def new_cache(model: CausalLM, batch: int, max_len: int, dtype=None) -> KVCache:
-    """A zero cache (`dtype` may be `"int8"`) created directly in its sharding
-    (kv heads over `tp`, batch over `dp`)."""
-    c = model.config
-    dtype = jnp.dtype(model.dtype if dtype is None else dtype)
+def _pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Right-pad `prompts` to a whole number of prefill chunks.
 
-    def zeros():
-        return KVCache.zeros(layers=c.num_hidden_layers, batch=batch, max_len=max_len,
-                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype)
+    **Returns:** `tokens [P, T]`, `lengths [P]` and the chunk size (default: the
+    longest prompt rounded up to 16, one chunk).
+    """
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    longest = int(lengths.max())
+    chunk = chunk_size or round_up(longest, 16)
+    tokens = np.zeros((len(prompts), round_up(longest, chunk)), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lengths, chunk
 
-    mesh = current_mesh()
-    shardings = None if mesh is None else tree_shardings(jax.eval_shape(zeros), mesh)
-    return jax.jit(zeros, out_shardings=shardings)()
 
-
-def _normalise_params(params, n: int) -> list[SamplingParams]:
+def _check_requests(config, prompts, params, n: int, prefill_chunk_size) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Validate the requests; returns the prompts as int lists and one `SamplingParams` each."""
+    if not prompts:
+        raise ValueError("no prompts")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+    prompts = [list(map(int, p)) for p in prompts]
     if isinstance(params, SamplingParams):
-        return [params] * n
+        params = [params] * len(prompts)
     params = list(params)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} sampling params for {n} prompts")
-    return params
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    limit = config.max_position_embeddings
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_position_embeddings {limit}")
+        if len(p) + sp.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds "
+                f"max_position_embeddings {limit}"
+            )
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+    return prompts, params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The sizes of one `generate` call: `P` prompt rows prefilled, `S` sequences decoded."""
+
+    shared: bool  # n samples per prompt read one stored prompt (S = P * n)
+    n: int
+    tokens: np.ndarray  # [P, T] right-padded prompts
+    lengths: np.ndarray  # [P]
+    chunk: int
+    max_new: int
+    cache_len: int  # slots per prompt row (shared: the prompt only)
+
+    @property
+    def P(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def S(self) -> int:
+        return self.P * self.n if self.shared else self.P
+
+
+def _plan(prompts, params, n: int, share_prefix: bool, prefill_chunk_size) -> tuple[_Plan, list[SamplingParams], list[int]]:
+    """Expand the requests for `n` samples and size the caches.
+
+    **Returns:** the plan, the sampling params of each decoded sequence, and which of
+    its prompt's `n` samples each one is (its seed stream).
+    """
+    shared = share_prefix and n > 1
+    if n > 1 and not shared:  # the plain path: every sample carries its own copy of the prompt
+        prompts = [p for p in prompts for _ in range(n)]
+        params = [sp for sp in params for _ in range(n)]
+    tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
+    max_new = max(sp.max_new_tokens for sp in params)
+    if shared:
+        cache_len = round_up(int(lengths.max()), 16)
+    else:
+        cache_len = round_up(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), 16)
+    plan = _Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
+    sequence_params = [sp for sp in params for _ in range(n)] if shared else params
+    samples = list(range(n)) * (plan.S // n)
+    return plan, sequence_params, samples
+
+
+def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeConfig) -> DecodeState:
+    """Prefill the prompts and build the decode loop's initial state."""
+    cache = _cache_for(model, plan.P, plan.cache_len, cache_dtype)
+    cache, logits = prefill(model, cache, jnp.asarray(plan.tokens), jnp.asarray(plan.lengths), chunk=plan.chunk,
+                            compute=compute)
+    lengths = plan.lengths
+    if plan.shared:  # the completion caches exist only after prefill: peak = max, not sum
+        completion = _cache_for(model, plan.S, round_up(plan.max_new, 16), cache_dtype)
+        cache = SharedPrefixCache(cache, completion, jnp.asarray(plan.lengths))
+        logits = jnp.repeat(logits, plan.n, axis=0)
+        lengths = np.repeat(lengths, plan.n)
+    S = plan.S
+    return DecodeState(
+        cache=cache,
+        logits=logits,
+        lengths=jnp.asarray(lengths),
+        generated=jnp.zeros((S,), jnp.int32),
+        done=jnp.zeros((S,), jnp.int32),
+        tokens=jnp.zeros((S, plan.max_new), jnp.int32),
+        logprobs=jnp.zeros((S, plan.max_new), jnp.float32),
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+def _decode_streaming(model, state: DecodeState, sampler: SamplerArrays, *, max_new: int, compute: ComputeConfig,
+                      stream_every: int | None, on_tokens) -> DecodeState:
+    """Run the decode loop in segments of `stream_every` steps, reporting new tokens
+    after each, until every sequence stopped."""
+    S = state.lengths.shape[0]
+    segment = stream_every or max_new
+    shown = np.zeros((S,), np.int64)
+    while True:
+        state = decode(model, state, sampler, jnp.asarray(segment, jnp.int32), compute=compute)
+        done = to_host(state.done)
+        if on_tokens is not None:
+            generated = to_host(state.generated)
+            toks = to_host(state.tokens)
+            on_tokens([toks[b, shown[b] : generated[b]].tolist() for b in range(S)])
+            shown = generated.astype(np.int64)
+        if (done != 0).all() or int(to_host(state.step)) >= max_new:
+            return state
+
+
+def _results(state: DecodeState) -> list[Generation]:
+    generated = to_host(state.generated)
+    toks, logps, done = to_host(state.tokens), to_host(state.logprobs), to_host(state.done)
+    return [
+        Generation(toks[b, : generated[b]].tolist(), logps[b, : generated[b]].tolist(), STOP_REASONS[done[b]])
+        for b in range(len(generated))
+    ]
 
 
 def generate(
@@ -201,87 +323,14 @@ def generate(
     `i` is at index `i * n + j`.
     """
     config = model.config
-    if not prompts:
-        raise ValueError("no prompts")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    prompts = [list(map(int, p)) for p in prompts]
-    params = _normalise_params(params, len(prompts))
-    limit = config.max_position_embeddings
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        if len(p) > limit:
-            raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_position_embeddings {limit}")
-        if len(p) + sp.max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds "
-                f"max_position_embeddings {limit}"
-            )
-        if min(p) < 0 or max(p) >= config.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
-    if prefill_chunk_size is not None and prefill_chunk_size < 1:
-        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
-    shared = share_prefix and n > 1
-    if n > 1 and not shared:  # the plain path: every sample carries its own copy of the prompt
-        prompts = [p for p in prompts for _ in range(n)]
-        params = [sp for sp in params for _ in range(n)]
-
-    P = len(prompts)  # sequences prefilled
-    S = P * n if shared else P  # sequences decoded
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    longest = int(lengths.max())
-    chunk = prefill_chunk_size or _round_up(longest, 16)
-    T = _round_up(longest, chunk)
-    max_new = max(sp.max_new_tokens for sp in params)
-    tokens = np.zeros((P, T), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    sample_params = [sp for sp in params for _ in range(n)] if shared else params
-    samples = list(range(n)) * (S // n)  # sample j of each prompt: its own seed stream
-    sampler = SamplerArrays.from_params(sample_params, config.eos_token_ids, config.vocab_size, samples)
-
+    prompts, params = _check_requests(config, prompts, params, n, prefill_chunk_size)
+    plan, sequence_params, samples = _plan(prompts, params, n, share_prefix, prefill_chunk_size)
+    sampler = SamplerArrays.from_params(sequence_params, config.eos_token_ids, config.vocab_size, samples)
     with mesh_context(model):
-        if shared:
-            cache = new_cache(model, P, _round_up(longest, 16), cache_dtype)
-        else:
-            needed = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
-            cache = new_cache(model, P, _round_up(needed, 16), cache_dtype)
-        cache, logits = prefill(model, cache, jnp.asarray(tokens), jnp.asarray(lengths), chunk=chunk, compute=compute)
-        if shared:  # the completion caches exist only after prefill: peak = max, not sum
-            completion = new_cache(model, S, _round_up(max_new, 16), cache_dtype)
-            cache = SharedPrefixCache(cache, completion, jnp.asarray(lengths))
-            logits = jnp.repeat(logits, n, axis=0)
-            lengths = np.repeat(lengths, n)
-        state = DecodeState(
-            cache=cache,
-            logits=logits,
-            lengths=jnp.asarray(lengths),
-            generated=jnp.zeros((S,), jnp.int32),
-            done=jnp.zeros((S,), jnp.int32),
-            tokens=jnp.zeros((S, max_new), jnp.int32),
-            logprobs=jnp.zeros((S, max_new), jnp.float32),
-            step=jnp.zeros((), jnp.int32),
-        )
-        segment = stream_every or max_new
-        shown = np.zeros((S,), np.int64)
-        while True:
-            state = decode(model, state, sampler, jnp.asarray(segment, jnp.int32), compute=compute)
-            done = to_host(state.done)
-            if on_tokens is not None:
-                generated = to_host(state.generated)
-                toks = to_host(state.tokens)
-                on_tokens([toks[b, shown[b] : generated[b]].tolist() for b in range(S)])
-                shown = generated.astype(np.int64)
-            if (done != 0).all() or int(to_host(state.step)) >= max_new:
-                break
-
-    generated = to_host(state.generated)
-    toks, logps, done = to_host(state.tokens), to_host(state.logprobs), to_host(state.done)
-    return [
-        Generation(toks[b, : generated[b]].tolist(), logps[b, : generated[b]].tolist(), STOP_REASONS[done[b]])
-        for b in range(S)
-    ]
+        state = _prefill_state(model, plan, cache_dtype, compute)
+        state = _decode_streaming(model, state, sampler, max_new=plan.max_new, compute=compute,
+                                  stream_every=stream_every, on_tokens=on_tokens)
+    return _results(state)
 
 
 def generate_text(
@@ -309,11 +358,8 @@ def _teacher_forced(model: CausalLM, cache, tokens, lengths, continuation, *, ch
 
     def step(carry, token):
         cache, position = carry
-        hidden, cache = model.hidden_states(
-            token[:, None], positions=position[:, None],
-            mask=AttentionMask(kv_lengths=position + 1, q_offset=position), compute=compute, cache=cache,
-        )
-        return (cache, position + 1), _last_token_logits(model, hidden[:, 0])
+        cache, logits = _decode_one(model, cache, token, position, AttentionMask.decode(position), compute)
+        return (cache, position + 1), logits
 
     _, rest = jax.lax.scan(step, (cache, lengths), continuation.T[:-1])
     return jnp.concatenate([logits[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
@@ -337,12 +383,8 @@ def teacher_forced_logits(
     if len(steps) != 1 or len(continuations) != len(prompts):
         raise ValueError("one continuation per prompt, all of the same length")
     steps = steps.pop()
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    chunk = prefill_chunk_size or _round_up(int(lengths.max()), 16)
-    tokens = np.zeros((len(prompts), _round_up(int(lengths.max()), chunk)), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
+    tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     with mesh_context(model):
-        cache = new_cache(model, len(prompts), _round_up(int(lengths.max()) + steps, 16), cache_dtype)
+        cache = _cache_for(model, len(prompts), round_up(int(lengths.max()) + steps, 16), cache_dtype)
         return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)

@@ -1,7 +1,9 @@
 """The correspondence between a model's arrays and Hugging Face tensor names.
 
 Module attribute names follow HF, so an array's pytree path is its HF key; arrays
-of the stacked `model.layers` stand for one HF tensor per layer. A `Linear` weight
+under a stacked field (`eqx_tx.tree.stacked`: the decoder's `layers`, an MoE
+layer's `experts`) stand for one HF tensor per index, the index inserted after
+that field's name. Sharding names play no part here. A `Linear` weight
 stored `[*out, *in]` is HF's `[out_features, in_features]` reshaped.
 """
 
@@ -14,9 +16,8 @@ import jax
 import numpy as np
 
 from .layers.linear import Linear
-from .sharding import STACKED, HasAxes, _names
-
-
+from .sharding import HasAxes
+from .tree import path_names, stacking_along
 
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
@@ -118,7 +119,8 @@ def hf_tensors(model) -> Iterator[HFTensor]:
     for path, module in flat:
         if not isinstance(module, HasAxes):
             continue
-        names = _names(path)
+        names = path_names(path)
+        stacked_in_path = [i for i, _ in stacking_along(model, path)]
         declared = module.param_axes()
         for field, axes in declared.items():
             arr = getattr(module, field)
@@ -135,8 +137,7 @@ def hf_tensors(model) -> Iterator[HFTensor]:
                 groups = ((0, layer_ndim),)
             else:
                 groups = tuple((i, i + 1) for i in range(layer_ndim))
-            # One "{}" after each stacked submodule in the path: model.layers.{}.mlp.experts.{}...
-            stacked_in_path = [i for i, n in enumerate(names) if n in STACKED][:extra]
+            # One "{}" after each stacked field in the path: model.layers.{}.mlp.experts.{}...
             if len(stacked_in_path) != extra:
                 raise ValueError(f"{'.'.join(names)}.{field}: {extra} stacked axes but the path has "
                                  f"{len(stacked_in_path)} stacked submodules")

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .distributed import host_device
 from .hf_params import hf_tensors
 from .models import CausalLM, config_from_hf
 from .models.config import read_hf_config
@@ -175,14 +176,6 @@ def read_arrays(specs, files: dict[str, str], shardings, dtype, *, where: str, p
         arrays[spec.path] = jax.make_array_from_callback(spec.shape, spec.get(shardings), callback)
     handles.clear()
     return arrays
-
-
-def host_device():
-    """This process's CPU device, so tensors read from disk stay in host memory."""
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return None
 
 
 def _normalise(s: slice, n: int) -> tuple[int, int, int]:

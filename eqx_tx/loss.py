@@ -17,10 +17,12 @@ from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
 from .forward import lengths_from_mask, positions_for
+from .kernels.ring import to_context_layout
 from .layers.attention import AttentionMask
-from .layers.ring import to_context_layout
+from .layers.moe import RouterStats
 from .models import CausalLM
 from .sharding import constrain, context_parallel_size
+from .util import ceil_div
 
 DEFAULT_CHUNK_SIZE = 8192
 
@@ -133,7 +135,7 @@ def chunked_logprobs(
     shards = shards if T % shards == 0 else 1
     L = T // shards
     positions = min(L, max(1, chunk_size // B))
-    n = -(-L // positions)
+    n = ceil_div(L, positions)
     pad = n * positions - L
     hidden = constrain(hidden.reshape(B, shards, L, D), ("batch", "seq", None, "act_embed"))
     targets = targets.reshape(B, shards, L).astype(jnp.int32)
@@ -142,6 +144,48 @@ def chunked_logprobs(
         targets = jnp.pad(targets, ((0, 0), (0, 0), (0, pad)))
     logp = _chunked_logprobs((hidden, weight), targets, _Chunking(positions, n))
     return logp[:, :, :L].reshape(B, T)
+
+
+def sequence_logprobs(
+    model: CausalLM,
+    input_ids: Int[Array, "batch seq"],
+    target_ids: Int[Array, "batch seq"],
+    lengths: Int[Array, " batch"],
+    *,
+    compute: ComputeConfig,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> tuple[Float[Array, "batch seq"], RouterStats | None]:
+    """The core of `token_logprobs` and of the training loss.
+
+    Under context parallelism (a mesh with `sp > 1`) the tokens run in the
+    load-balanced ring order and the log-probabilities are put back in the original
+    order. `chunk_size=None` is the naive baseline for benchmarks: full
+    `[batch, seq, vocab]` logits with plain autodiff.
+
+    **Returns:** float32 log-probabilities `[batch, seq]` and, for MoE models, the
+    router statistics of all layers (else `None`).
+    """
+    B, T = input_ids.shape
+    sp = context_parallel_size()
+    order = None
+    if sp > 1:
+        (input_ids, target_ids), positions, order = to_context_layout((input_ids, target_ids), sp)
+    else:
+        positions = positions_for(B, T)
+    out = model.hidden_states(
+        constrain(input_ids, ("batch", "seq")),
+        positions=constrain(positions, ("batch", "seq")),
+        mask=AttentionMask(lengths, 0),
+        compute=compute,
+    )
+    if chunk_size is None:
+        logits = model.head_logits(out.hidden)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), target_ids[..., None], -1)[..., 0]
+    else:
+        logp = chunked_logprobs(out.hidden, model.head_weight(), target_ids, chunk_size=chunk_size)
+    if order is not None:  # back to the original token order
+        logp = jnp.zeros_like(logp).at[:, order].set(logp)[:, :T]
+    return logp, out.router_stats
 
 
 def token_logprobs(
@@ -172,16 +216,7 @@ def token_logprobs(
     """
     B, T = input_ids.shape
     lengths = lengths_from_mask(attention_mask, T, B)
-    sp = context_parallel_size()
-    if sp > 1:
-        (input_ids, target_ids), positions, order = to_context_layout((input_ids, target_ids), sp)
-    else:
-        positions = positions_for(B, T)
-    hidden, _ = model.hidden_states(input_ids, positions=positions, mask=AttentionMask(lengths, 0), compute=compute)
-    logp = chunked_logprobs(hidden, model.head_weight(), target_ids, chunk_size=chunk_size)
-    if sp > 1:  # back to the original token order
-        logp = jnp.zeros_like(logp).at[:, order].set(logp)[:, :T]
-    return logp
+    return sequence_logprobs(model, input_ids, target_ids, lengths, compute=compute, chunk_size=chunk_size)[0]
 
 
 def weighted_cross_entropy(

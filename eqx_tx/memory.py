@@ -13,20 +13,24 @@ import os
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .batch import Batch
 from .compute import ComputeConfig
-from .generation import DecodeState, prefill, decode
-from .layers.kv_cache import KVCache, SharedPrefixCache
-from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, lora_filter
+from .generation import DecodeState, decode, prefill
+from .layers.kv_cache import SharedPrefixCache
+from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, trainable_filter
 from .loading import abstract_model
 from .models.config import TransformerConfig
+from .models.transformer import new_cache
 from .sampling import SamplerArrays, SamplingParams
-from .sharding import MESH_AXES, RULES, logical_to_spec, tree_shardings
-from .training import Batch, TrainConfig, make_optimizer, train_step_jit
+from .sharding import abstract_with_shardings, logical_to_spec, make_mesh
+from .training import TrainConfig, make_optimizer, train_step_jit
+from .util import round_up
 
-TARGETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "targets")
+# Compile-only GPU descriptions shipped with the package (`target_mesh`).
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 TARGET_FILES = {"a100-40gb": "a100_sxm_40.txtpb", "h100-80gb": "h100_sxm.txtpb"}
 
 
@@ -53,9 +57,10 @@ class MemoryFigures:
 def target_mesh(
     target: str, *, dp: int = 1, ep: int = 1, sp: int = 1, tp: int = 8, targets_dir: str = TARGETS_DIR
 ) -> Mesh:
-    """A `("dp", "ep", "sp", "tp")` mesh for `target`: `"cpu"` (the local, possibly fake,
-    CPU devices) or a GPU name in `TARGET_FILES` (compile-only devices; needs
-    `jax-cuda13-plugin` and `JAX_PLATFORMS=cpu`, no GPU)."""
+    """The `make_mesh` mesh over the devices of `target`: `"cpu"` (the local, possibly
+    fake, CPU devices) or a GPU name in `TARGET_FILES` (compile-only devices described
+    by the files in `targets_dir`; needs `jax-cuda13-plugin` and `JAX_PLATFORMS=cpu`,
+    no GPU)."""
     n = dp * ep * sp * tp
     if target == "cpu":
         devices = jax.devices("cpu")
@@ -82,17 +87,7 @@ def target_mesh(
         devices = topo.devices
     else:
         raise ValueError(f"unknown target {target!r}; choose cpu or {', '.join(TARGET_FILES)}")
-    grid = np.asarray(devices, dtype=object).reshape(dp, ep, sp, tp)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def _is_array_like(x) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
-
-
-def _with_shardings(tree, mesh):
-    shardings = tree_shardings(tree, mesh, RULES)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return make_mesh(dp=dp, ep=ep, sp=sp, tp=tp, devices=devices)
 
 
 def _sds(shape, dtype, mesh, *names):
@@ -110,24 +105,38 @@ def abstract_sharded_model(config: TransformerConfig, mesh, dtype=jnp.bfloat16, 
             lambda m: apply_lora(m, rank=lora_rank, alpha=2.0 * lora_rank, targets=targets, key=jax.random.key(0)),
             model,
         )
-    return _with_shardings(model, mesh)
+    return abstract_with_shardings(model, mesh)
+
+
+def abstract_train_state(model, mesh, config: TrainConfig):
+    """The trainable part, optimizer state and frozen part of abstract sharded `model`,
+    as `init_train_state` splits them, with the shardings `train_step` receives.
+
+    Each optimizer moment takes the sharding of the parameter it belongs to (matched
+    by position in the tree with `optax.tree_map_params`, never by shape: two weights
+    of one shape may be sharded differently); the other state (step counts) is
+    replicated.
+    """
+    params, frozen = eqx.partition(model, trainable_filter(model))
+    if not jax.tree.leaves(params):
+        raise ValueError("nothing to train: the model has no arrays")
+    optimizer = make_optimizer(config.optimizer, params)
+    shapes = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, P())
+    opt_state = optax.tree_map_params(
+        optimizer,
+        lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding),
+        shapes,
+        params,
+        transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        is_leaf=lambda x: x is None,
+    )
+    return params, opt_state, frozen
 
 
 def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfig):
     """Lower and compile `train_step_jit` for abstract, sharded inputs; returns the compiled step."""
-    spec = lora_filter(model)
-    params, frozen = eqx.partition(model, spec if any(jax.tree.leaves(spec)) else _is_array_like)
-    if not jax.tree.leaves(params):
-        raise ValueError("nothing to train: the model has no arrays")
-    opt_state = jax.eval_shape(make_optimizer(config.optimizer, params).init, params)
-    # Optimizer moments follow their parameter's sharding; scalars are replicated.
-    param_sharding = {x.shape: x.sharding for x in jax.tree.leaves(params)}
-    opt_state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=param_sharding.get(x.shape, NamedSharding(mesh, P()))
-        ),
-        opt_state,
-    )
+    params, opt_state, frozen = abstract_train_state(model, mesh, config)
     b = Batch(
         _sds((batch, seq_len), jnp.int32, mesh, "batch"),
         _sds((batch, seq_len), jnp.int32, mesh, "batch"),
@@ -137,15 +146,6 @@ def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfi
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
         return train_step_jit.lower(params, opt_state, step, frozen, b, config).compile()
-
-
-def abstract_cache(config: TransformerConfig, mesh, batch: int, max_len: int, dtype) -> KVCache:
-    """A sharded abstract `KVCache` (`dtype` int8: with its float32 scales)."""
-    cache = jax.eval_shape(lambda: KVCache.zeros(
-        layers=config.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, dtype=dtype,
-    ))
-    return _with_shardings(cache, mesh)
 
 
 def compile_sampling(
@@ -171,13 +171,13 @@ def compile_sampling(
         raise ValueError(f"batch {batch} is not a multiple of n={n}")
     prompts = batch // n
     chunk = prefill_chunk or prompt_len
-    tokens = _sds((prompts, -(-prompt_len // chunk) * chunk), jnp.int32, mesh, "batch")
+    tokens = _sds((prompts, round_up(prompt_len, chunk)), jnp.int32, mesh, "batch")
     prompt_lengths = _sds((prompts,), jnp.int32, mesh, "batch")
     if n == 1:
-        cache = decode_cache = abstract_cache(config, mesh, batch, prompt_len + new_tokens, cache_dtype)
+        cache = decode_cache = new_cache(config, batch, prompt_len + new_tokens, cache_dtype, mesh=mesh, abstract=True)
     else:
-        cache = abstract_cache(config, mesh, prompts, prompt_len, cache_dtype)
-        completion = abstract_cache(config, mesh, batch, new_tokens, cache_dtype)
+        cache = new_cache(config, prompts, prompt_len, cache_dtype, mesh=mesh, abstract=True)
+        completion = new_cache(config, batch, new_tokens, cache_dtype, mesh=mesh, abstract=True)
         decode_cache = SharedPrefixCache(cache, completion, prompt_lengths)
     lengths = _sds((batch,), jnp.int32, mesh, "batch")
     state = DecodeState(

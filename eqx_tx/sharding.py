@@ -21,19 +21,18 @@ from collections.abc import Mapping, Sequence
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._log import log_once
+from .tree import stacking_along
 
 MESH_AXES = ("dp", "ep", "sp", "tp")
 
-# Attribute names of stacked submodules, outermost first: an array under
-# `model.layers` has a leading layer axis, one under `mlp.experts` an expert axis.
-STACKED = {"layers": "layers", "experts": "experts"}
-
 MeshAxes = str | tuple[str, ...] | None
+AnyMesh = Mesh | AbstractMesh
 
-# logical axis -> mesh axis (or axes). Names not listed are replicated.
+# logical axis -> mesh axis (or axes; None: replicated). Every logical name used by a
+# weight or an activation is listed: an unknown name is an error, not a replica.
 RULES: Mapping[str, MeshAxes] = {
     # weights (Megatron layout: column-parallel in, row-parallel out)
     "layers": None,
@@ -97,11 +96,12 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def _axis_size(mesh, mesh_axes: MeshAxes) -> int:
-    if mesh_axes is None:
+def mesh_axis_size(mesh: AnyMesh | None, mesh_axes: MeshAxes) -> int:
+    """The number of devices along `mesh_axes` (1 without a mesh or for an axis it lacks)."""
+    if mesh is None or mesh_axes is None:
         return 1
     names = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
-    return math.prod(mesh.shape[a] for a in names)
+    return math.prod(mesh.shape.get(a, 1) for a in names)
 
 
 def logical_to_spec(
@@ -113,14 +113,19 @@ def logical_to_spec(
     """Resolve logical axis names to a `PartitionSpec` on `mesh`.
 
     A dimension whose size does not divide by its mesh axes is left unsharded
-    (logged once); two dimensions mapped to the same mesh axis is an error.
+    (logged once); a logical name missing from `rules` and two dimensions mapped to
+    the same mesh axis are errors.
     """
     if len(names) != len(shape):
         raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    unknown = [n for n in names if n is not None and n not in rules]
+    if unknown:
+        raise KeyError(f"logical axis name(s) {unknown} in {tuple(names)} have no sharding rule; "
+                       f"known: {', '.join(sorted(rules))}")
     used: set[str] = set()
     spec = []
     for name, size in zip(names, shape):
-        mesh_axes = rules.get(name) if name is not None else None
+        mesh_axes = rules[name] if name is not None else None
         if isinstance(mesh_axes, str):
             mesh_axes = (mesh_axes,)
         if mesh_axes is not None:
@@ -132,7 +137,7 @@ def logical_to_spec(
             raise ValueError(
                 f"logical axes {tuple(names)}: mesh axis {mesh_axes} used twice in one array"
             )
-        n = _axis_size(mesh, mesh_axes)
+        n = mesh_axis_size(mesh, mesh_axes)
         if size % n:
             log_once(
                 f"sharding: '{name}' of size {size} does not divide over mesh axes "
@@ -153,21 +158,11 @@ class HasAxes(eqx.Module):
         """Map each array field's name to its logical axes (without a layer axis)."""
 
 
-def stacked_axes(path_names: Sequence[str], extra: int) -> tuple[str, ...]:
-    """Names of the `extra` leading axes of an array whose module sits at `path_names`."""
-    found = [STACKED[name] for name in path_names if name in STACKED]
-    return tuple(found[:extra]) + ("layers",) * (extra - len(found))
-
-
-def _names(path) -> list[str]:
-    return [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
-
-
 def logical_axes(tree) -> object:
     """Replace every array in `tree` with its `Axes`.
 
     Arrays with more dimensions than their module declares get one leading axis per
-    stacked submodule they sit in (`STACKED`: `layers`, then `experts`).
+    stacked field (`eqx_tx.tree.stacked`) they sit in, outermost first.
     """
 
     def visit(path, node):
@@ -179,13 +174,14 @@ def logical_axes(tree) -> object:
         fields = [k for k, v in declared.items() if getattr(node, k) is not None]
         if not fields:
             return node
+        leading = tuple(axis for _, axis in stacking_along(tree, path))
         leaves = []
         for k in fields:
             arr = getattr(node, k)
-            extra = arr.ndim - len(declared[k])
-            if extra < 0:
-                raise ValueError(f"{type(node).__name__}.{k}: shape {arr.shape} vs axes {declared[k]}")
-            leaves.append(Axes(stacked_axes(_names(path), extra) + tuple(declared[k])))
+            if arr.ndim != len(leading) + len(declared[k]):
+                raise ValueError(f"{type(node).__name__}.{k}: shape {arr.shape} does not match its axes "
+                                 f"{declared[k]} under the stacked axes {leading}")
+            leaves.append(Axes(leading + tuple(declared[k])))
         return eqx.tree_at(lambda m: [getattr(m, k) for k in fields], node, leaves)
 
     return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=lambda x: isinstance(x, HasAxes))
@@ -200,6 +196,12 @@ def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES):
         tree,
         is_leaf=lambda x: isinstance(x, Axes),
     )
+
+
+def abstract_with_shardings(tree, mesh: AnyMesh, rules: Mapping[str, MeshAxes] = RULES):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s carrying their rule-given shardings."""
+    shardings = tree_shardings(tree, mesh, rules)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def shard(tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES):
@@ -217,8 +219,7 @@ def current_mesh():
 
 def context_parallel_size() -> int:
     """Size of the `sp` axis of the context mesh (1 outside a mesh)."""
-    mesh = current_mesh()
-    return 1 if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("sp", 1)
+    return mesh_axis_size(current_mesh(), "sp")
 
 
 def constrain(x: jax.Array, names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES):

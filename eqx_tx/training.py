@@ -16,15 +16,13 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
+from .batch import Batch
 from .compute import ComputeConfig
-from .forward import positions_for
-from .layers.attention import AttentionMask
 from .layers.linear import Embedding, Linear
-from .layers.lora import lora_filter
-from .layers.ring import to_context_layout
-from .loss import DEFAULT_CHUNK_SIZE, chunked_logprobs
+from .layers.lora import trainable_filter
+from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from .models import CausalLM
-from .sharding import constrain, context_parallel_size, mesh_context
+from .sharding import mesh_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,19 +72,6 @@ class TrainConfig:
     micro_batches: int = 1
     loss_chunk_size: int | None = DEFAULT_CHUNK_SIZE
     compute: ComputeConfig = ComputeConfig()
-
-
-class Batch(eqx.Module):
-    """A training batch of right-padded sequences.
-
-    `loss_weights` is a 0/1 mask or real-valued per-token weights; the loss is
-    `-sum(weights * logp(target)) / (number of non-zero weights)` over the batch.
-    """
-
-    input_ids: Int[Array, "batch seq"]
-    target_ids: Int[Array, "batch seq"]
-    loss_weights: Float[Array, "batch seq"]
-    lengths: Int[Array, " batch"]
 
 
 class TrainState(eqx.Module):
@@ -142,8 +127,7 @@ def init_train_state(model: CausalLM, config: TrainConfig, *, trainable=None) ->
       the model has any, else every array.
     """
     if trainable is None:
-        spec = lora_filter(model)
-        trainable = spec if any(jax.tree.leaves(spec)) else eqx.is_array
+        trainable = trainable_filter(model)
     params, frozen = eqx.partition(model, trainable)
     opt_state = make_optimizer(config.optimizer, params).init(params)
     return TrainState(params=params, frozen=frozen, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
@@ -169,29 +153,10 @@ def _micro_batch_loss(params, frozen, batch: Batch, config: TrainConfig, count, 
     for MoE models, the load-balancing loss (its mean over micro-batches) times its
     coefficient. Returns `(loss, (cross_entropy_share, load_balancing))`."""
     model = eqx.combine(params, frozen)
-    B, T = batch.input_ids.shape
-    ids, targets, weights = batch.input_ids, batch.target_ids, batch.loss_weights
-    sp = context_parallel_size()
-    if sp > 1:  # a load-balanced token order; the loss is a sum, so order does not matter
-        (ids, targets, weights), positions, _ = to_context_layout((ids, targets, weights), sp)
-    else:
-        positions = positions_for(B, T)
-    moe = model.config.num_experts > 0
-    out = model.hidden_states(
-        constrain(ids, ("batch", "seq")),
-        positions=constrain(positions, ("batch", "seq")),
-        mask=AttentionMask(batch.lengths, 0),
-        compute=config.compute,
-        router_stats=moe,
-    )
-    hidden = out[0]
-    if config.loss_chunk_size is None:  # the naive baseline: full logits, plain autodiff
-        logits = model.head_logits(hidden)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
-    else:
-        logp = chunked_logprobs(hidden, model.head_weight(), targets, chunk_size=config.loss_chunk_size)
-    ce = -jnp.sum(weights.astype(jnp.float32) * logp) / count
-    balance = out[2].load_balancing_loss() if moe else jnp.zeros(())
+    logp, stats = sequence_logprobs(model, batch.input_ids, batch.target_ids, batch.lengths,
+                                    compute=config.compute, chunk_size=config.loss_chunk_size)
+    ce = -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp) / count
+    balance = stats.load_balancing_loss() if stats is not None else jnp.zeros(())
     loss = ce + model.config.router_aux_loss_coef * balance / micro_batches
     return loss, (ce, balance / micro_batches)
 

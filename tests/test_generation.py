@@ -8,7 +8,7 @@ import torch
 
 import eqx_tx
 from eqx_tx.generation import DecodeState, decode, generate, prefill
-from eqx_tx.layers.kv_cache import KVCache
+from eqx_tx.models.transformer import new_cache
 from eqx_tx.loading import abstract_model
 from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_token
 from tests.hf_utils import hf_model
@@ -125,8 +125,7 @@ def _config(vocab=32768):
 
 
 def _abstract_cache(config, B, L):
-    shape = (config.num_hidden_layers, B, L, config.num_key_value_heads, config.head_dim)
-    return KVCache(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32))
+    return new_cache(config, B, L, jnp.float32, abstract=True)
 
 
 def test_prefill_never_holds_full_logits():

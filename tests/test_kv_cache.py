@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 import eqx_tx
 from eqx_tx.generation import generate, teacher_forced_logits
-from eqx_tx.layers.kv_cache import Quantized
+from eqx_tx.kernels.quantized import Quantized
 from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_sampling, target_mesh
 from eqx_tx.sampling import SamplingParams
 

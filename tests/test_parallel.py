@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
-from eqx_tx.layers.ring import load_balanced_order, padded_length, ring_attention
-from eqx_tx.layers.sdpa import xla_attention
+from eqx_tx.kernels.ring import load_balanced_order, padded_length, ring_attention
+from eqx_tx.kernels.sdpa import xla_attention
 from eqx_tx.loss import token_logprobs
 from eqx_tx.training import Batch, TrainConfig, _loss_and_grads
 from tests.hf_utils import TP_CONFIG, make_hf_checkpoint, ragged_batch

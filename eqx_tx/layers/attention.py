@@ -7,15 +7,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..compute import ComputeConfig
-from .._log import log_once
-from ..sharding import constrain, context_parallel_size, current_mesh
-from .flash import flash_attention, merge_partials
-from .kv_cache import KVCache, SharedPrefixCache
+from ..kernels.dispatch import CacheKind, select_attention
+from ..kernels.ring import ring_attention
+from ..kernels.sdpa import attend
+from ..kernels.shared_prefix import shared_prefix_attention
+from ..sharding import AnyMesh, constrain
+from .kv_cache import Cache, KVCache, SharedPrefixCache
 from .linear import Linear
 from .norm import RMSNorm
-from .ring import ring_attention
 from .rope import apply_rope
-from .sdpa import dot_product_attention
 
 
 class AttentionMask(eqx.Module):
@@ -28,6 +28,11 @@ class AttentionMask(eqx.Module):
 
     kv_lengths: Int[Array, " batch"] | None
     q_offset: int | Int[Array, " batch"] = eqx.field(default=0)
+
+    @classmethod
+    def decode(cls, positions: Int[Array, " batch"]) -> "AttentionMask":
+        """One new token per sequence at `positions`: it sees keys `[0, positions]`."""
+        return cls(kv_lengths=positions + 1, q_offset=positions)
 
 
 class Attention(eqx.Module):
@@ -71,16 +76,19 @@ class Attention(eqx.Module):
         sin: Float[Array, "batch seq head_dim"],
         mask: AttentionMask,
         compute: ComputeConfig,
-        cache: KVCache | SharedPrefixCache | None = None,
+        mesh: AnyMesh | None = None,
+        cache: Cache | None = None,
         layer: Int[Array, ""] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVCache | SharedPrefixCache | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], Cache | None]:
         """**Arguments:**
 
         - `x`: the normalised hidden states.
         - `cos`, `sin`: rotary angles of each position (`eqx_tx.layers.rope`).
         - `mask`: which keys each query sees.
         - `compute`: attention implementation and tile sizes.
+        - `mesh`: the mesh being run on (`None`: one device); with `sp > 1` and no
+          cache, attention runs as a ring over `sp`.
         - `cache`, `layer`, `positions`: with a cache, this layer's new keys/values
           are written at slots `positions` and attention reads the whole cache. With
           a `SharedPrefixCache`, `mask` describes each sample's own completion slots.
@@ -90,7 +98,7 @@ class Attention(eqx.Module):
         q_bthk = self.q_proj(x)
         k_bthk = self.k_proj(x)
         v_bthk = self.v_proj(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q_bthk = self.q_norm(q_bthk)
             k_bthk = self.k_norm(k_bthk)
         q_bthk = apply_rope(q_bthk, cos, sin)
@@ -98,62 +106,46 @@ class Attention(eqx.Module):
         q_bthk = checkpoint_name(constrain(q_bthk, ("batch", "seq", "act_heads", None)), "q")
         k_bthk = checkpoint_name(constrain(k_bthk, ("batch", "seq", "act_kv_heads", None)), "k")
         v_bthk = checkpoint_name(constrain(v_bthk, ("batch", "seq", "act_kv_heads", None)), "v")
-        if cache is None and context_parallel_size() > 1:
+        keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) else k_bthk.shape
+        choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
+                                  q_offset=mask.q_offset, mesh=mesh, compute=compute)
+        blocks = dict(block_q=compute.block_q, block_kv=compute.block_kv)
+        if choice.backend == "shared_prefix":
+            assert isinstance(cache, SharedPrefixCache) and layer is not None and positions is not None
+            # Completion slot t holds position prompt_length + t.
+            slots = positions - jnp.repeat(cache.prompt_lengths, cache.n)[:, None]
+            completion = cache.completion.write(layer, k_bthk, v_bthk, slots)
+            k_own, v_own = completion.layer(layer)
+            k_prompt, v_prompt = cache.prompt.layer(layer)
+            assert mask.kv_lengths is not None
+            o_bthk = shared_prefix_attention(
+                q_bthk, k_own, v_own, k_prompt, v_prompt, own_lengths=mask.kv_lengths, own_offset=mask.q_offset,
+                prompt_lengths=cache.prompt_lengths, **blocks,
+            )
+            return self.o_proj(o_bthk), eqx.tree_at(lambda c: c.completion, cache, completion)
+        if choice.backend == "ring":
             # The sequence is split over `sp`: keys/values travel around the ring.
+            assert mesh is not None and positions is not None
             B = x.shape[0]
             lengths = mask.kv_lengths if mask.kv_lengths is not None else jnp.full((B,), jnp.iinfo(jnp.int32).max - 1)
-            o_bthk = ring_attention(
-                q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=current_mesh(),
-                block_q=compute.block_q, block_kv=compute.block_kv,
-            )
-            log_once("attention: ring (context parallel over sp), blockwise inside")
-            o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
-            return self.o_proj(o_bthk), cache
-        if isinstance(cache, SharedPrefixCache):
-            o_bthk, cache = _shared_prefix_attention(q_bthk, k_bthk, v_bthk, cache, layer, positions, mask, compute)
-            return self.o_proj(o_bthk), cache
-        if cache is not None:
-            cache = cache.write(layer, k_bthk, v_bthk, positions)
-            k_bshk, v_bshk = cache.layer(layer)
+            o_bthk = ring_attention(q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=mesh,
+                                    **blocks)
         else:
-            k_bshk, v_bshk = k_bthk, v_bthk
-        o_bthk = dot_product_attention(
-            q_bthk,
-            k_bshk,
-            v_bshk,
-            kv_lengths=mask.kv_lengths,
-            q_offset=mask.q_offset,
-            causal=True,
-            implementation=compute.attention,
-            block_q=compute.block_q,
-            block_kv=compute.block_kv,
-        )
+            if isinstance(cache, KVCache):
+                assert layer is not None and positions is not None
+                cache = cache.write(layer, k_bthk, v_bthk, positions)
+                keys, values = cache.layer(layer)
+            else:
+                keys, values = k_bthk, v_bthk
+            o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset,
+                            causal=True, **blocks)
         o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
         return self.o_proj(o_bthk), cache
 
 
-def _shared_prefix_attention(q, k, v, cache: SharedPrefixCache, layer, positions, mask: AttentionMask, compute):
-    """Attention of `P * n` samples over their shared prompt plus their own completion.
-
-    The two parts are computed separately (the prompt part with the `n` samples of
-    a prompt as extra queries of that prompt's row, so nothing is copied) and merged
-    by their log-sum-exp, which is exact.
-    """
-    S, T, H, K = q.shape
-    P, n = cache.prompt_lengths.shape[0], cache.n
-    prompt_lengths = jnp.repeat(cache.prompt_lengths, n)
-    slots = positions - prompt_lengths[:, None]
-    completion = cache.completion.write(layer, k, v, slots)
-    k_own, v_own = completion.layer(layer)
-    blocks = dict(block_q=compute.block_q, block_kv=compute.block_kv)
-    o_own, lse_own = flash_attention(
-        q, k_own, v_own, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset, causal=True, **blocks
-    )
-    k_prompt, v_prompt = cache.prompt.layer(layer)
-    o_pre, lse_pre = flash_attention(
-        q.reshape(P, n * T, H, K), k_prompt, v_prompt, kv_lengths=cache.prompt_lengths, causal=False, **blocks
-    )
-    o_pre, lse_pre = o_pre.reshape(S, T, H, K), lse_pre.reshape(S, T, H)
-    o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
-    log_once("attention: shared prefix (prompt and completion parts, blockwise), merged by log-sum-exp")
-    return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, cache, completion)
+def _cache_kind(cache: Cache | None) -> CacheKind:
+    if cache is None:
+        return "none"
+    if isinstance(cache, SharedPrefixCache):
+        return "shared_prefix"
+    return "int8" if cache.quantized else "dense"

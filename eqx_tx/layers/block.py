@@ -7,12 +7,26 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from ..compute import ComputeConfig
-from ..sharding import constrain
+from ..sharding import AnyMesh, constrain
 from .attention import Attention, AttentionMask
-from .kv_cache import KVCache
+from .kv_cache import Cache
 from .mlp import GatedMLP
 from .moe import MoE, RouterStats
 from .norm import RMSNorm
+
+
+class BlockOutput(eqx.Module):
+    """What a decoder block (or the whole stack) returns.
+
+    - `hidden`: the hidden states after the block.
+    - `cache`: the cache with this block's keys/values written (`None` without one).
+    - `router_stats`: MoE router statistics (summed over the stack's layers by
+      `run_stack`); `None` for dense models.
+    """
+
+    hidden: Float[Array, "batch seq embed"]
+    cache: Cache | None = None
+    router_stats: RouterStats | None = None
 
 
 class DecoderBlock(eqx.Module):
@@ -33,30 +47,34 @@ class DecoderBlock(eqx.Module):
         self,
         x: Float[Array, "batch seq embed"],
         *,
-        cos,
-        sin,
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
         mask: AttentionMask,
         compute: ComputeConfig,
-        cache: KVCache | None = None,
+        mesh: AnyMesh | None = None,
+        cache: Cache | None = None,
         layer: Int[Array, ""] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None, RouterStats | None]:
+    ) -> BlockOutput:
+        """**Arguments:** as `Attention.__call__`. **Returns:** a `BlockOutput` (with this
+        layer's router statistics for an MoE block)."""
         h, cache = self.self_attn(
             self.input_layernorm(x),
             cos=cos,
             sin=sin,
             mask=mask,
             compute=compute,
+            mesh=mesh,
             cache=cache,
             layer=layer,
             positions=positions,
         )
         x = x + checkpoint_name(h, "block_attn_out")
         if isinstance(self.mlp, MoE):
-            valid = None if mask.kv_lengths is None else positions < mask.kv_lengths[:, None]
-            y, stats = self.mlp(self.post_attention_layernorm(x), valid)
-            return x + y, cache, stats
-        return x + self.mlp(self.post_attention_layernorm(x)), cache, None
+            valid = None if mask.kv_lengths is None or positions is None else positions < mask.kv_lengths[:, None]
+            y, stats = self.mlp(self.post_attention_layernorm(x), valid, mesh=mesh)
+            return BlockOutput(x + y, cache, stats)
+        return BlockOutput(x + self.mlp(self.post_attention_layernorm(x)), cache)
 
 
 def stack_length(stacked: eqx.Module) -> int:
@@ -79,40 +97,42 @@ def run_stack(
     layers: DecoderBlock,
     x: Float[Array, "batch seq embed"],
     *,
-    cos,
-    sin,
+    cos: Float[Array, "batch seq head_dim"],
+    sin: Float[Array, "batch seq head_dim"],
     mask: AttentionMask,
     compute: ComputeConfig,
-    cache: KVCache | None = None,
+    mesh: AnyMesh | None = None,
+    cache: Cache | None = None,
     positions: Int[Array, "batch seq"] | None = None,
     stats: RouterStats | None = None,
-) -> tuple[Float[Array, "batch seq embed"], KVCache | None, RouterStats | None]:
+) -> BlockOutput:
     """Run the stacked blocks with `lax.scan`, each step under `filter_checkpoint`.
 
-    The scan body returns only its carry: the hidden states (and, when sampling,
-    the cache, written in place at this layer's index; for MoE models, the router
-    statistics summed over layers). Returning per-layer outputs or parameters would
-    make XLA keep a second stacked copy.
+    The scan body returns only its carry, a `BlockOutput`: the hidden states (and,
+    when sampling, the cache, written in place at this layer's index; for MoE
+    models, the router statistics summed over layers, starting from `stats`).
+    Returning per-layer outputs or parameters would make XLA keep a second stacked
+    copy.
     """
     params, static = eqx.partition(layers, eqx.is_array)
     axes = activation_axes(compute)
 
-    def body(carry, xs):
+    def body(carry: BlockOutput, xs):
         layer_params, index = xs
         block = eqx.combine(layer_params, static)
-        h, c, s = carry
-        h, c, layer_stats = block(h, cos=cos, sin=sin, mask=mask, compute=compute, cache=c, layer=index,
-                                  positions=positions)
-        if s is not None:
-            s = s + layer_stats
-        return (constrain(h, axes), c, s), None
+        out = block(carry.hidden, cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=carry.cache,
+                    layer=index, positions=positions)
+        total = carry.router_stats
+        if total is not None and out.router_stats is not None:
+            total = total + out.router_stats
+        return BlockOutput(constrain(out.hidden, axes), out.cache, total), None
 
     if cache is None and compute.remat != "none":
         # prevent_cse=False: the scan already stops XLA from merging the recomputation
         # with the forward pass across iterations, and the CSE barriers would only
         # block fusions inside the layer.
         body = eqx.filter_checkpoint(body, policy=compute.checkpoint_policy(), prevent_cse=False)
-    (x, cache, stats), _ = jax.lax.scan(
-        body, (constrain(x, axes), cache, stats), (params, jnp.arange(stack_length(layers)))
+    out, _ = jax.lax.scan(
+        body, BlockOutput(constrain(x, axes), cache, stats), (params, jnp.arange(stack_length(layers)))
     )
-    return x, cache, stats
+    return out

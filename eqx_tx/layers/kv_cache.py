@@ -5,7 +5,7 @@ With `dtype="int8"` they are stored as int8 with a float32 scale per (token, kv
 head): `x ≈ q * scale`, `scale = max|x| / 127` over `head_dim`. That is
 `(head_dim + 4) / (2 * head_dim)` of a bf16 cache (51.6% at head_dim 128).
 Quantization happens on write; attention dequantizes one key/value block at a time
-(`eqx_tx.layers.flash`), never the whole cache.
+(`eqx_tx.kernels.flash`), never the whole cache.
 
 `SharedPrefixCache` stores each prompt's keys/values once for `n` samples.
 """
@@ -15,31 +15,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..kernels.quantized import Quantized
 from ..sharding import HasAxes
 
-KV_AXES = ("cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
-SCALE_AXES = ("cache_batch", "cache_seq", "cache_kv_heads")
-
-
-class Quantized(eqx.Module):
-    """int8 `values [..., head_dim]` with a float32 `scale [...]` per vector."""
-
-    values: Array
-    scale: Array
-
-    @classmethod
-    def quantize(cls, x: Float[Array, "... head_dim"]) -> "Quantized":
-        x = x.astype(jnp.float32)
-        scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
-        q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
-        return cls(jnp.clip(q, -127, 127).astype(jnp.int8), scale)
-
-    def dequantize(self, dtype) -> Array:
-        return (self.values.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
-
-    @property
-    def shape(self):
-        return self.values.shape
+KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
+SCALE_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads")
 
 
 class KVCache(HasAxes):
@@ -123,3 +103,7 @@ class SharedPrefixCache(eqx.Module):
     @property
     def n(self) -> int:
         return self.completion.k.shape[1] // self.prompt.k.shape[1]
+
+
+Cache = KVCache | SharedPrefixCache
+"""What a model reads and writes while sampling."""

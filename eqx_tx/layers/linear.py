@@ -1,6 +1,5 @@
 """Dense projections and token embeddings."""
 
-import math
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -86,9 +85,3 @@ class Embedding(HasAxes):
 
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch embed"]:
         return jnp.take(self.weight, ids, axis=0)
-
-
-def flat_2d_shape(shape: Sequence[int], in_ndim: int) -> tuple[int, int]:
-    """The `[out_features, in_features]` shape of a `[*out, *in]` weight."""
-    split = len(shape) - in_ndim
-    return math.prod(shape[:split]), math.prod(shape[split:])

@@ -5,6 +5,7 @@ where `lora_A: [rank, *in]` and `lora_B: [*out, rank]` are ordinary `Linear`s, s
 their pytree paths are PEFT's names (`...q_proj.lora_A.weight`).
 """
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -80,21 +81,39 @@ def _is_lora(x) -> bool:
     return isinstance(x, LoRALinear)
 
 
-def _target_nodes(model, targets):
-    """The projections named in `targets` inside the stacked decoder blocks."""
-    layers = model.model.layers
-    nodes = []
-    for name in targets:
-        if name in ATTENTION_TARGETS:
-            nodes.append(getattr(layers.self_attn, name))
-        elif name in MLP_TARGETS:
-            if isinstance(layers.mlp, MoE):
-                raise ValueError(f"LoRA target {name!r}: this model's MLP is a mixture of experts; "
-                                 f"adapters go on the attention projections {ATTENTION_TARGETS}")
-            nodes.append(getattr(layers.mlp, name))
-        else:
-            raise ValueError(f"unknown LoRA target {name!r}; choose from {ALL_TARGETS}")
-    return nodes
+def _projections(
+    model, names: tuple[str, ...], *, experts: bool = False
+) -> list[tuple[tuple[str, ...], Linear | LoRALinear]]:
+    """`(path, node)` of every projection (`Linear` or `LoRALinear`) in `model` whose
+    attribute name is in `names`, found by module type wherever it sits, in the order
+    of `names`. A named projection inside an MoE layer is an error (`experts=False`)
+    or skipped (`experts=True`)."""
+    found = []
+
+    def visit(node, path: tuple[str, ...], in_moe: bool):
+        if isinstance(node, (Linear, LoRALinear)):
+            if path and path[-1] in names:
+                if in_moe and experts:
+                    return
+                if in_moe:
+                    raise ValueError(f"LoRA target {path[-1]!r}: this model's MLP is a mixture of experts; "
+                                     f"adapters go on the attention projections {ATTENTION_TARGETS}")
+                found.append((path, node))
+            return
+        if isinstance(node, eqx.Module):
+            for f in dataclasses.fields(node):
+                child = getattr(node, f.name, None)
+                if isinstance(child, eqx.Module):
+                    visit(child, path + (f.name,), in_moe or isinstance(node, MoE))
+
+    visit(model, (), False)
+    return sorted(found, key=lambda item: names.index(item[0][-1]))
+
+
+def _get(tree, path: tuple[str, ...]):
+    for name in path:
+        tree = getattr(tree, name)
+    return tree
 
 
 def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp.float32, key: PRNGKeyArray):
@@ -102,7 +121,8 @@ def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp
 
     **Arguments:**
 
-    - `model`: a `CausalLM` without adapters.
+    - `model`: a model without adapters (any module tree; projections are found by
+      type and attribute name).
     - `rank`, `alpha`: adapter rank and scale.
     - `targets`: projection names (`q_proj`, ..., `down_proj`).
     - `dtype`: adapter dtype.
@@ -113,15 +133,24 @@ def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     targets = tuple(dict.fromkeys(targets))
-    nodes = _target_nodes(model, targets)
-    if any(_is_lora(n) for n in nodes):
+    unknown = [t for t in targets if t not in ALL_TARGETS]
+    if unknown:
+        raise ValueError(f"unknown LoRA target {unknown[0]!r}; choose from {ALL_TARGETS}")
+    found = _projections(model, targets)
+    if any(_is_lora(node) for _, node in found):
         raise ValueError("model already has LoRA adapters")
-    num_layers = model.config.num_hidden_layers
+    if not found:
+        raise ValueError(f"no projection named {targets} in the model")
     wrapped = []
-    for node, k in zip(nodes, jax.random.split(key, len(nodes))):
+    for (_, node), k in zip(found, jax.random.split(key, len(found))):
         make = lambda base, k: LoRALinear(base, rank=rank, alpha=alpha, dtype=dtype, key=k)  # noqa: E731
-        wrapped.append(eqx.filter_vmap(make)(node, jax.random.split(k, num_layers)))
-    return eqx.tree_at(lambda m: _target_nodes(m, targets), model, wrapped)
+        stacked_shape = node.weight.shape[: node.weight.ndim - len(node.axes)]  # e.g. (layers,)
+        for _ in stacked_shape:
+            make = eqx.filter_vmap(make)
+        keys = jax.random.split(k, math.prod(stacked_shape)).reshape(stacked_shape) if stacked_shape else k
+        wrapped.append(make(node, keys))
+    paths = [path for path, _ in found]
+    return eqx.tree_at(lambda m: [_get(m, p) for p in paths], model, wrapped)
 
 
 def lora_filter(model):
@@ -136,6 +165,15 @@ def lora_filter(model):
     return eqx.tree_at(where, spec, [True] * (2 * len(loras)))
 
 
+def trainable_filter(model):
+    """What trains by default: the LoRA adapters if `model` has any, else every array
+    (concrete or `jax.ShapeDtypeStruct`)."""
+    spec = lora_filter(model)
+    if any(jax.tree.leaves(spec)):
+        return spec
+    return lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def has_lora(model) -> bool:
     return any(_is_lora(n) for n in jax.tree.leaves(model, is_leaf=_is_lora))
 
@@ -147,14 +185,7 @@ def merge_lora(model):
 
 def lora_settings(model) -> dict:
     """`rank`, `alpha` and `targets` of the adapters in `model`."""
-    layers = model.model.layers
-    found = {}
-    names = ATTENTION_TARGETS if isinstance(layers.mlp, MoE) else ALL_TARGETS
-    for name in names:
-        parent = layers.self_attn if name in ATTENTION_TARGETS else layers.mlp
-        node = getattr(parent, name)
-        if _is_lora(node):
-            found[name] = node
+    found = {path[-1]: node for path, node in _projections(model, ALL_TARGETS, experts=True) if isinstance(node, LoRALinear)}
     if not found:
         raise ValueError("model has no LoRA adapters")
     first = next(iter(found.values()))

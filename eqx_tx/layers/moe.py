@@ -1,27 +1,24 @@
 """Sparse mixture-of-experts MLP: softmax router, top-k, experts run on grouped rows.
 
-Token-expert assignments are sorted by expert and padded per expert to whole
-blocks, so each block of rows is multiplied by one expert's weights: there is never
-a dense `[tokens, experts, hidden]` intermediate. (`jax.lax.ragged_dot` would say
-the same in one op, but XLA here lowers it to a dense `[experts, rows, hidden]`
-computation: 16 GiB per projection at Qwen3-30B-A3B's size.) Experts are stacked `[experts, ...]`
+The experts run through the grouped matmul of `eqx_tx.kernels.grouped_ffn` (no
+dense `[tokens, experts, hidden]` intermediate). Experts are stacked `[experts, ...]`
 (`experts.gate_proj.weight` is `[experts, moe_intermediate, hidden]`, HF's
 `mlp.experts.{e}.gate_proj.weight` for each `e`).
 
-With an `ep` mesh axis the experts are split over it: inside `shard_map` each
-device gathers its data-parallel group's tokens over `ep`, computes the rows that
-go to its own experts, and the partial outputs are reduce-scattered back.
+With an `ep` axis on the mesh passed in, the experts are split over it: inside
+`shard_map` each device gathers its data-parallel group's tokens over `ep`, computes
+the rows that go to its own experts, and the partial outputs are reduce-scattered back.
 """
-
-import dataclasses
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..sharding import current_mesh, logical_to_spec
+from ..kernels.grouped_ffn import grouped_ffn
+from ..sharding import AnyMesh, logical_to_spec, mesh_axis_size
+from ..tree import stacked
 from .linear import Linear
 from .mlp import GatedMLP
 
@@ -53,7 +50,7 @@ class MoE(eqx.Module):
     """`sum_k weight_k * expert_k(x)` over each token's top-k experts."""
 
     gate: Linear  # the router, [experts, hidden]
-    experts: GatedMLP  # every weight has a leading expert axis
+    experts: GatedMLP = stacked("experts")  # every weight has a leading expert axis
     top_k: int = eqx.field(static=True)
     norm_topk_prob: bool = eqx.field(static=True)
 
@@ -80,20 +77,32 @@ class MoE(eqx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return logits, probs, weights.astype(x.dtype), experts
 
+    @staticmethod
+    def _expert_weights(experts: GatedMLP):
+        return experts.gate_proj.weight, experts.up_proj.weight, experts.down_proj.weight
+
     def __call__(
-        self, x: Float[Array, "batch seq hidden"], token_mask=None
+        self,
+        x: Float[Array, "batch seq hidden"],
+        token_mask: Bool[Array, "batch seq"] | None = None,
+        *,
+        mesh: AnyMesh | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], RouterStats]:
-        """**Returns:** the MoE output and this layer's `RouterStats` (over the tokens
-        where `token_mask` is true; all tokens by default)."""
+        """**Arguments:**
+
+        - `x`: the normalised hidden states.
+        - `token_mask`: the tokens counted in the router statistics (default: all).
+        - `mesh`: the mesh being run on; with an `ep` axis the experts are split over it.
+
+        **Returns:** the MoE output and this layer's `RouterStats`.
+        """
         B, T, D = x.shape
-        mesh = current_mesh()
-        ep = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("ep", 1)
-        if ep > 1:
+        if mesh is not None and mesh_axis_size(mesh, "ep") > 1:
             y, probs, experts = self._expert_parallel(x, mesh)
         else:
             flat = x.reshape(B * T, D)
             _, probs, weights, experts = self.route(flat)
-            y = _grouped_experts(flat, weights, experts, self.experts, 0, self.num_experts).reshape(B, T, D)
+            y = grouped_ffn(flat, weights, experts, *self._expert_weights(self.experts)).reshape(B, T, D)
             experts = experts.reshape(B, T, self.top_k)
             probs = probs.reshape(B, T, -1)
         valid = jnp.ones((B, T), bool) if token_mask is None else token_mask
@@ -125,7 +134,7 @@ class MoE(eqx.Module):
             moe = eqx.tree_at(lambda m: m.gate.weight, self, gate_w)
             logits, probs, weights, experts_idx = moe.route(flat)
             first = jax.lax.axis_index("ep") * local_count
-            y = _grouped_experts(flat, weights, experts_idx, experts, first, E)
+            y = grouped_ffn(flat, weights, experts_idx, *self._expert_weights(experts), first)
             if reduce_tp:  # the expert MLPs are split over tp: partial sums
                 y = jax.lax.psum(y, reduce_tp)
             y = y.reshape(b, t, d)
@@ -145,123 +154,3 @@ class MoE(eqx.Module):
             check_vma=False,
         )(x, self.gate.weight, self.experts)
         return y, probs, experts
-
-
-def _grouped_experts(x, weights, experts_idx, experts: GatedMLP, first, num_experts: int):
-    """`sum_k w_k * expert_k(x)` over the assignments to the experts held here,
-    `[first, first + count)` of `num_experts` (`count`: the leading axis of `experts`).
-
-    The assignments are sorted by expert and each expert's rows padded to whole
-    blocks, so every block belongs to one expert (`_block_ffn`): memory stays
-    `O(tokens * top_k * hidden)`, never `[rows, experts, hidden]`.
-    """
-    N, D = x.shape
-    k = experts_idx.shape[-1]
-    count = experts.gate_proj.weight.shape[0]
-    M = N * k
-    block = int(min(128, max(8, 1 << max(0, (-(-M // count) - 1).bit_length()))))
-    flat_e = experts_idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    token = order // k
-    local = flat_e[order] - first  # this shard's expert of each sorted row
-    mine = (local >= 0) & (local < count)
-    local = jnp.where(mine, local, count)
-    sizes = jnp.bincount(local, length=count + 1)[:count]
-    padded = -(-sizes // block) * block
-    pad_end = jnp.cumsum(padded)
-    pad_start = pad_end - padded
-    row_start = jnp.cumsum(sizes) - sizes
-    n_blocks = -(-M // block) + count  # a static bound on the blocks used
-    safe = jnp.minimum(local, count - 1)
-    dest = jnp.where(mine, pad_start[safe] + (jnp.cumsum(mine) - 1) - row_start[safe], n_blocks * block)
-    x_pad = jnp.zeros((n_blocks * block, D), x.dtype).at[dest].set(x[token], mode="drop")
-    block_expert = jnp.searchsorted(pad_end, jnp.arange(n_blocks) * block, side="right").astype(jnp.int32)
-    used = (pad_end[-1] // block).astype(jnp.int32)
-    w = (experts.gate_proj.weight, experts.up_proj.weight, experts.down_proj.weight)
-    y_pad = _block_ffn((w, x_pad), block_expert, used, _Block(block))
-    out = jnp.take(y_pad, dest, axis=0, mode="fill", fill_value=0)
-    out = out * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((N, D), out.dtype).at[token].add(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    size: int
-
-
-def _silu_grad(g):
-    s = jax.nn.sigmoid(g)
-    return s * (1 + g * (1 - s))
-
-
-def _expert_block(w, x_pad, e, j, b):
-    wg, wu, wd = (jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False) for a in w)
-    xb = jax.lax.dynamic_slice_in_dim(x_pad, j * b, b, 0)
-    g = jnp.einsum("bd,id->bi", xb, wg, preferred_element_type=jnp.float32)
-    u = jnp.einsum("bd,id->bi", xb, wu, preferred_element_type=jnp.float32)
-    return wg, wu, wd, xb, g, u
-
-
-def _block_ffn_forward(w, x_pad, block_expert, used, blk: _Block):
-    b = blk.size
-
-    def body(j, y_pad):
-        wg, wu, wd, xb, g, u = _expert_block(w, x_pad, block_expert[j], j, b)
-        h = (jax.nn.silu(g) * u).astype(x_pad.dtype)
-        y = jnp.einsum("bi,di->bd", h, wd, preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(y_pad, y.astype(y_pad.dtype), j * b, 0)
-
-    return jax.lax.fori_loop(0, used, body, jnp.zeros_like(x_pad))
-
-
-@eqx.filter_custom_vjp
-def _block_ffn(w_x, block_expert, used, blk: _Block):
-    """The gated MLP of expert `block_expert[j]` on rows `[j*b, (j+1)*b)`, for the `used`
-    blocks (a loop: one small matmul chain per block). The backward pass recomputes
-    each block's activations and skips weight gradients for frozen experts."""
-    w, x_pad = w_x
-    return _block_ffn_forward(w, x_pad, block_expert, used, blk)
-
-
-@_block_ffn.def_fwd
-def _block_ffn_fwd(perturbed, w_x, block_expert, used, blk):
-    w, x_pad = w_x
-    return _block_ffn_forward(w, x_pad, block_expert, used, blk), None
-
-
-@_block_ffn.def_bwd
-def _block_ffn_bwd(_, dy_pad, perturbed, w_x, block_expert, used, blk):
-    w, x_pad = w_x
-    b = blk.size
-    w_perturbed, _ = perturbed
-    need_w = any(jax.tree.leaves(w_perturbed))
-
-    def body(j, carry):
-        dx_pad, dw = carry
-        e = block_expert[j]
-        wg, wu, wd, xb, g, u = _expert_block(w, x_pad, e, j, b)
-        act = jax.nn.silu(g)
-        dy = jax.lax.dynamic_slice_in_dim(dy_pad, j * b, b, 0)
-        dh = jnp.einsum("bd,di->bi", dy, wd, preferred_element_type=jnp.float32)
-        dg = dh * u * _silu_grad(g)
-        du = dh * act
-        dx = jnp.einsum("bi,id->bd", dg.astype(wg.dtype), wg, preferred_element_type=jnp.float32)
-        dx = dx + jnp.einsum("bi,id->bd", du.astype(wu.dtype), wu, preferred_element_type=jnp.float32)
-        dx_pad = jax.lax.dynamic_update_slice_in_dim(dx_pad, dx.astype(dx_pad.dtype), j * b, 0)
-        if need_w:
-            h = (act * u).astype(x_pad.dtype)
-            updates = (
-                jnp.einsum("bi,bd->id", dg, xb, preferred_element_type=jnp.float32),
-                jnp.einsum("bi,bd->id", du, xb, preferred_element_type=jnp.float32),
-                jnp.einsum("bd,bi->di", dy, h, preferred_element_type=jnp.float32),
-            )
-            dw = tuple(
-                jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, e, 0, False) + upd, e, 0)
-                for acc, upd in zip(dw, updates)
-            )
-        return dx_pad, dw
-
-    dw0 = tuple(jnp.zeros(a.shape, jnp.float32) for a in w) if need_w else ()
-    dx_pad, dw = jax.lax.fori_loop(0, used, body, (jnp.zeros_like(x_pad), dw0))
-    dw = tuple(d.astype(a.dtype) for d, a in zip(dw, w)) if need_w else (None, None, None)
-    return dw, dx_pad

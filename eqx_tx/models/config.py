@@ -77,9 +77,6 @@ class TransformerConfig(abc.ABC):
             return ()
         return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
 
-    def replace(self, **changes) -> "TransformerConfig":
-        return dataclasses.replace(self, **changes)
-
 
 def read_hf_config(directory: str | os.PathLike) -> dict:
     """Parse `directory/config.json` with a clear error if it is missing or invalid."""

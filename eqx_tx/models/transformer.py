@@ -2,7 +2,7 @@
 
 The pytree mirrors Hugging Face's module tree (`model.embed_tokens`,
 `model.layers`, `model.norm`, `lm_head`), so a parameter's path is its HF key, with
-the layer index inserted for the stacked `model.layers`.
+the layer index inserted for the stacked `model.layers` (`eqx_tx.tree.stacked`).
 """
 
 import equinox as eqx
@@ -13,14 +13,29 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..compute import ComputeConfig
 from ..layers.attention import Attention, AttentionMask
 from ..layers.block import DecoderBlock, run_stack
-from ..layers.kv_cache import KVCache
+from ..layers.kv_cache import Cache, KVCache
 from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE, RouterStats
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
-from ..sharding import constrain
+from ..sharding import abstract_with_shardings, constrain, current_mesh, tree_shardings
+from ..tree import stacked
 from .config import TransformerConfig
+
+
+class ModelOutput(eqx.Module):
+    """What `CausalLM.hidden_states` returns.
+
+    - `hidden`: final-norm hidden states of every position (no LM head).
+    - `cache`: the cache with every layer's new keys/values (`None` without one).
+    - `router_stats`: MoE models: router statistics summed over layers and the tokens
+      before each sequence's length (for the load-balancing loss); `None` otherwise.
+    """
+
+    hidden: Float[Array, "batch seq embed"]
+    cache: Cache | None = None
+    router_stats: RouterStats | None = None
 
 
 def make_block(config: TransformerConfig, *, dtype, key: PRNGKeyArray) -> DecoderBlock:
@@ -55,7 +70,7 @@ class Decoder(eqx.Module):
     """Embedding, the stacked blocks (every array has a leading layer axis), final norm."""
 
     embed_tokens: Embedding
-    layers: DecoderBlock
+    layers: DecoderBlock = stacked("layers")
     norm: RMSNorm
 
     def __init__(self, config: TransformerConfig, *, dtype, key: PRNGKeyArray):
@@ -109,9 +124,8 @@ class CausalLM(eqx.Module):
         positions: Int[Array, "batch seq"],
         mask: AttentionMask,
         compute: ComputeConfig,
-        cache: KVCache | None = None,
-        router_stats: bool = False,
-    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+        cache: Cache | None = None,
+    ) -> ModelOutput:
         """Final-norm hidden states of every position (no LM head).
 
         **Arguments:**
@@ -122,36 +136,50 @@ class CausalLM(eqx.Module):
         - `compute`: how to run (attention kernel, remat policy).
         - `cache`: when given, keys/values are written at `positions` and attention
           reads the whole cache.
-        - `router_stats`: MoE models: also return the `RouterStats` of all layers (for
-          the load-balancing loss), over the tokens before each sequence's length.
 
-        **Returns:** `[batch, seq, embed]` hidden states and the updated cache
-        (and the router statistics when asked for).
+        The mesh set with `jax.set_mesh` (if any) is read here, once, and passed down
+        to the layers that choose a parallel path by it (ring attention over `sp`,
+        experts over `ep`).
+
+        **Returns:** a `ModelOutput`.
         """
         c = self.config
+        mesh = current_mesh()
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope)
         stats = RouterStats.zeros(c.num_experts_per_tok, c.num_experts) if c.num_experts else None
-        x, cache, stats = run_stack(
-            self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, cache=cache, positions=positions,
-            stats=stats,
+        out = run_stack(
+            self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=cache,
+            positions=positions, stats=stats,
         )
         # The LM head reads whole sequences (gathered again under sequence parallelism).
-        hidden = constrain(self.model.norm(x), ("batch", "seq", "act_embed"))
-        if router_stats:
-            if stats is None:
-                raise ValueError("router_stats: this model has no MoE layers")
-            return hidden, cache, stats
-        return hidden, cache
+        hidden = constrain(self.model.norm(out.hidden), ("batch", "seq", "act_embed"))
+        return ModelOutput(hidden, out.cache, out.router_stats)
 
-    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty cache for `batch` sequences of up to `max_len` tokens."""
-        c = self.config
-        return KVCache.zeros(
-            layers=c.num_hidden_layers,
-            batch=batch,
-            max_len=max_len,
-            kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            dtype=self.dtype if dtype is None else dtype,
-        )
+
+def new_cache(
+    config: TransformerConfig, batch: int, max_len: int, dtype, *, mesh=None, abstract: bool = False
+) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens, created directly
+    in its sharding on `mesh` (kv heads over `tp`, batch over `dp`).
+
+    **Arguments:**
+
+    - `config`: the model's architecture.
+    - `batch`, `max_len`: the cache's size.
+    - `dtype`: the storage dtype; `int8` stores int8 values with float32 scales.
+    - `mesh`: place (or describe) the cache on this mesh (`None`: one device).
+    - `abstract`: return sharded `jax.ShapeDtypeStruct`s instead of arrays (for
+      compile-only memory analysis).
+    """
+    dtype = jnp.dtype(dtype)
+
+    def zeros():
+        return KVCache.zeros(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
+                             kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype)
+
+    shapes = jax.eval_shape(zeros)
+    if abstract:
+        return shapes if mesh is None else abstract_with_shardings(shapes, mesh)
+    shardings = None if mesh is None else tree_shardings(shapes, mesh)
+    return jax.jit(zeros, out_shardings=shardings)()

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_tx.layers.flash import flash_attention
-from eqx_tx.layers.sdpa import dot_product_attention, xla_attention
+from eqx_tx.kernels.flash import flash_attention
+from eqx_tx.kernels.dispatch import dot_product_attention
+from eqx_tx.kernels.sdpa import xla_attention
 
 K = 16
 

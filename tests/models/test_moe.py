@@ -43,9 +43,8 @@ def test_router_logits_layer_outputs_and_aux_loss_match_hf(moe_path):
         y, _ = moe(x)
         np.testing.assert_allclose(y, captured[i][1].numpy(), atol=1e-5)
     lengths = jnp.asarray(mask.sum(-1))
-    _, _, stats = model.hidden_states(jnp.asarray(ids), positions=positions_for(*ids.shape),
-                                      mask=AttentionMask(lengths, 0), compute=eqx_tx.ComputeConfig(),
-                                      router_stats=True)
+    stats = model.hidden_states(jnp.asarray(ids), positions=positions_for(*ids.shape),
+                                mask=AttentionMask(lengths, 0), compute=eqx_tx.ComputeConfig()).router_stats
     np.testing.assert_allclose(float(stats.load_balancing_loss()), float(out.aux_loss), rtol=1e-5)
 
 

@@ -26,19 +26,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .kv_cache import Quantized
+from ..util import round_up
+from .quantized import Quantized
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class Tiling:
+    """Static settings of the raw kernel: causal masking, tile sizes, score scale."""
+
     causal: bool
     block_q: int
     block_kv: int
     scale: float
-
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 def _slice_kv(x, start, size, dtype):
@@ -85,8 +84,10 @@ def _block_bounds(q_pos, k_pos, bq, bk):
     return q_max, k_min
 
 
-def _forward(q, k, v, kv_lengths, q_pos, k_pos, static: _Static):
-    """Returns `o [B, Tp, Hkv, G, K]` (q dtype) and `lse [B, Tp, Hkv, G]` (float32).
+def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling):
+    """The raw forward pass on the padded, grouped inputs of `prepare_blocks`.
+
+    **Returns:** `o [B, Tp, Hkv, G, K]` (q dtype) and `lse [B, Tp, Hkv, G]` (float32).
 
     Positions are non-decreasing along rows, so the key blocks a query block needs
     are a prefix `[0, hi)`: those starting at or before its last query (causal) and
@@ -140,7 +141,7 @@ def _forward(q, k, v, kv_lengths, q_pos, k_pos, static: _Static):
     return jax.lax.fori_loop(0, n_q, q_block, (out, lse))
 
 
-def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: _Static):
+def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: Tiling):
     """Float32 gradients w.r.t. the padded, grouped `q, k, v`, given the final `o, lse`.
 
     Exact per key block (FlashAttention-2): it only needs each query's final
@@ -203,13 +204,13 @@ def _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: _Stat
 @eqx.filter_custom_vjp
 def _flash(qkv, kv_lengths, q_pos, k_pos, static):
     q, k, v = qkv
-    return _forward(q, k, v, kv_lengths, q_pos, k_pos, static)
+    return flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static)
 
 
 @_flash.def_fwd
 def _flash_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, static):
     q, k, v = qkv
-    o, lse = _forward(q, k, v, kv_lengths, q_pos, k_pos, static)
+    o, lse = flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static)
     return (o, lse), (o, lse)
 
 
@@ -220,15 +221,15 @@ def _flash_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, stati
     do, dlse = grads
     do = jnp.zeros_like(o) if do is None else do
     dlse = jnp.zeros_like(lse) if dlse is None else dlse
-    dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
+    dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def prepare(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, block_q, block_kv, scale):
+def prepare_blocks(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, block_q, block_kv, scale):
     """Pad to whole blocks, group query heads by key/value head, build position arrays.
 
     Returns `((q5, k, v), kv_lengths, q_pos, k_pos, static)`, the inputs of the raw
-    `_forward` / `_backward` (used directly by ring attention).
+    `flash_forward` / `flash_backward` (used directly by ring attention).
     """
     B, T, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -237,7 +238,7 @@ def prepare(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, 
     if tuple(k.shape) != tuple(v.shape) or k.shape[0] != B or k.shape[3] != K:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     bq, bk = min(block_q, T), min(block_kv, S)
-    static = _Static(causal, bq, bk, float(K**-0.5 if scale is None else scale))
+    static = Tiling(causal, bq, bk, float(K**-0.5 if scale is None else scale))
     if q_positions is None:
         q_positions = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1) + jnp.arange(T, dtype=jnp.int32)
     if k_positions is None:
@@ -245,7 +246,7 @@ def prepare(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, 
     q_positions = jnp.broadcast_to(q_positions.astype(jnp.int32), (B, T))
     k_positions = jnp.broadcast_to(k_positions.astype(jnp.int32), (B, S))
     kv_lengths = jnp.full((B,), S, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
-    Tp, Sp = _cdiv(T, bq) * bq, _cdiv(S, bk) * bk
+    Tp, Sp = round_up(T, bq), round_up(S, bk)
     q_pos = jnp.pad(q_positions, ((0, 0), (0, Tp - T)), constant_values=-1)
     k_pos = jnp.pad(k_positions, ((0, 0), (0, Sp - S)), constant_values=_NO_POSITION)
     q5 = _pad_axis(q, Tp, 1).reshape(B, Tp, Hkv, H // Hkv, K)
@@ -287,7 +288,7 @@ def flash_attention(
     differentiable.
     """
     B, T, H, K = q.shape
-    qkv, kv_lengths, q_pos, k_pos, static = prepare(
+    qkv, kv_lengths, q_pos, k_pos, static = prepare_blocks(
         q, k, v, kv_lengths=kv_lengths, q_positions=q_positions, k_positions=k_positions, q_offset=q_offset,
         causal=causal, block_q=block_q, block_kv=block_kv, scale=scale,
     )

@@ -4,7 +4,7 @@ The sequence is cut into `2 * sp` chunks and device `i` holds chunks `i` and
 `2 * sp - 1 - i` (`load_balanced_order`), so every device has the same amount of
 unmasked causal work. Inside `shard_map`, each device keeps its queries and passes
 its keys/values around the ring with `ppermute`; each visit runs the blockwise
-kernel (`eqx_tx.layers.flash`) on real positions and the partial results are merged
+kernel (`eqx_tx.kernels.flash`) on real positions and the partial results are merged
 by their log-sum-exp. The backward pass is a second ring: queries, outputs and the
 final log-sum-exp stay put, while each key/value block travels with its `dk, dv`
 accumulators and arrives home after `sp` hops.
@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from .._log import log_once
 from ..sharding import logical_to_spec
-from .flash import _backward, _forward, merge_partials, prepare
+from ..util import round_up
+from .flash import flash_backward, flash_forward, merge_partials, prepare_blocks
 
 AXIS = "sp"
 
@@ -39,7 +40,7 @@ def load_balanced_order(seq_len: int, sp: int) -> np.ndarray:
 
 def padded_length(seq_len: int, sp: int) -> int:
     """The sequence length rounded up to a multiple of `2 * sp` (the padding is masked)."""
-    return -(-seq_len // (2 * sp)) * (2 * sp)
+    return round_up(seq_len, 2 * sp)
 
 
 def to_context_layout(arrays, sp: int):
@@ -70,7 +71,7 @@ def _shift(tree, size):
 def _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring: _Ring):
     def step(_, carry):
         o_acc, lse_acc, k, v, k_pos = carry
-        o, lse = _forward(q, k, v, kv_lengths, q_pos, k_pos, static)
+        o, lse = flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static)
         o_acc, lse_acc = merge_partials(o_acc, lse_acc, o, lse)
         k, v, k_pos = _shift((k, v, k_pos), ring.size)
         return o_acc, lse_acc, k, v, k_pos
@@ -102,7 +103,7 @@ def _ring_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, static
 
     def step(_, carry):
         dq, k, v, k_pos, dk, dv = carry
-        dq_s, dk_s, dv_s = _backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
+        dq_s, dk_s, dv_s = flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
         k, v, k_pos, dk, dv = _shift((k, v, k_pos, dk + dk_s, dv + dv_s), ring.size)
         return dq + dq_s, k, v, k_pos, dk, dv
 
@@ -137,7 +138,7 @@ def ring_attention(q, k, v, *, positions, kv_lengths, mesh, causal=True, block_q
 
     def local(q, k, v, positions, kv_lengths):
         B, T, H, K = q.shape
-        qkv, kvl, q_pos, k_pos, static = prepare(
+        qkv, kvl, q_pos, k_pos, static = prepare_blocks(
             q, k, v, kv_lengths=kv_lengths, q_positions=positions, k_positions=positions, q_offset=0,
             causal=causal, block_q=block_q, block_kv=block_kv, scale=scale,
         )

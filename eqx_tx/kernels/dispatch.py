@@ -1,0 +1,163 @@
+"""The one place an attention path is chosen.
+
+`select_attention` takes what the choice depends on — the query and key/value
+shapes and dtype, the kind of cache being read, where the queries start, the mesh
+and the `ComputeConfig` — and returns one backend with the reason for it, logged
+once per distinct reason:
+
+- `"ring"`: context parallelism (the mesh has `sp > 1`, no cache): keys/values
+  travel around the `sp` ring, blockwise inside (`eqx_tx.kernels.ring`).
+- `"shared_prefix"`: `n` samples reading one stored prompt plus their own
+  completions, merged by log-sum-exp (`eqx_tx.kernels.shared_prefix`).
+- `"cudnn"`, `"blockwise"`, `"xla"`: the single-device kernels of
+  `eqx_tx.kernels.sdpa`. Under `attention="auto"`: cuDNN where it can run, else
+  blockwise once the score tile reaches `AUTO_BLOCKWISE_MIN_SCORES`, else xla.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .._log import log_once
+from ..compute import AttentionImpl, ComputeConfig
+from ..sharding import AnyMesh, current_mesh, logical_to_spec, mesh_axis_size
+from .quantized import Quantized
+from .sdpa import attend
+
+Backend = Literal["cudnn", "blockwise", "xla", "ring", "shared_prefix"]
+CacheKind = Literal["none", "dense", "int8", "shared_prefix"]
+
+# Under "auto", queries*keys at or above this use blockwise instead of xla.
+AUTO_BLOCKWISE_MIN_SCORES = 512 * 512
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """The backend that runs and why."""
+
+    backend: Backend
+    reason: str
+
+
+def target_platform(mesh: AnyMesh | None) -> str:
+    """The platform being compiled for: the mesh's devices, else the default backend.
+
+    (A mesh of compile-only CUDA devices makes this "gpu" on a machine without one.)
+    """
+    if mesh is not None:
+        abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+        device = abstract.abstract_device
+        if device is not None:
+            return "gpu" if device.platform in ("cuda", "rocm", "gpu") else device.platform
+    return jax.default_backend()
+
+
+def _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh) -> str | None:
+    """Why cuDNN cannot run here (`None` if it can)."""
+    platform = target_platform(mesh)
+    if platform != "gpu":
+        return f"backend is {platform}, not gpu"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {jnp.dtype(dtype)} (cuDNN flash attention needs bf16/fp16)"
+    head_dim = q_shape[-1]
+    if head_dim > 256 or head_dim % 8:
+        return f"head_dim {head_dim} not supported by cuDNN"
+    single_query = q_shape[1] == 1
+    if not single_query and not (isinstance(q_offset, int) and q_offset == 0):
+        return "queries start after position 0 (cache offset); cuDNN's causal mask is top-left aligned"
+    if mesh is not None:
+        q_spec = logical_to_spec(("batch", None, "act_heads", None), q_shape, mesh)
+        k_spec = logical_to_spec(("batch", None, "act_kv_heads", None), k_shape, mesh)
+        if q_spec != k_spec:  # cuDNN's partitioner needs q, k and v laid out alike
+            return f"query heads and key/value heads shard differently ({q_spec} vs {k_spec})"
+    return None
+
+
+def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl) -> AttentionChoice:
+    T, S = q_shape[1], k_shape[1]
+    if cache == "none" and mesh_axis_size(mesh, "sp") > 1:
+        return AttentionChoice("ring", "context parallel over sp, blockwise inside")
+    if cache == "shared_prefix":
+        return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp")
+    if cache == "int8":
+        if requested == "cudnn":
+            raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
+        if requested == "xla":
+            return AttentionChoice("xla", "requested; the int8 cache is dequantized whole (reference)")
+        return AttentionChoice("blockwise", "the KV cache is int8 (dequantized block by block)")
+    if requested == "cudnn":
+        reason = _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh)
+        if reason is not None:
+            raise ValueError(f"attention implementation 'cudnn' cannot run: {reason}")
+        return AttentionChoice("cudnn", "requested")
+    if requested != "auto":
+        return AttentionChoice(requested, "requested")
+    reason = _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh)
+    if reason is None:
+        return AttentionChoice("cudnn", f"{jnp.dtype(dtype)}, q_seq={T}, kv_seq={S}")
+    if T * S >= AUTO_BLOCKWISE_MIN_SCORES:
+        return AttentionChoice("blockwise", f"not cudnn because {reason} (q_seq={T}, kv_seq={S})")
+    return AttentionChoice("xla", f"not cudnn because {reason}; scores {T}x{S} are small")
+
+
+def select_attention(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    dtype,
+    *,
+    cache: CacheKind,
+    q_offset: int | Int[Array, " batch"],
+    mesh: AnyMesh | None,
+    compute: ComputeConfig,
+) -> AttentionChoice:
+    """Choose the attention backend (logged once per distinct choice and reason).
+
+    **Arguments:**
+
+    - `q_shape`, `k_shape`: `[batch, q_seq, heads, head_dim]` and the keys read
+      (`[batch, kv_seq, kv_heads, head_dim]`; a cache's whole length).
+    - `dtype`: the queries' dtype.
+    - `cache`: `"none"` (training, full forward), `"dense"` or `"int8"` (a KV cache),
+      or `"shared_prefix"`.
+    - `q_offset`: where the queries start; the Python int `0` lets cuDNN's causal
+      mask run.
+    - `mesh`: the mesh being compiled for (`None`: one device).
+    - `compute`: the requested implementation (`compute.attention`).
+
+    **Returns:** an `AttentionChoice`; a request that cannot run raises `ValueError`.
+    """
+    choice = _choose(tuple(q_shape), tuple(k_shape), dtype, cache, q_offset, mesh, compute.attention)
+    log_once(f"attention: {choice.backend} ({choice.reason})")
+    return choice
+
+
+def dot_product_attention(
+    q: Float[Array, "batch q_seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"] | Quantized,
+    v: Float[Array, "batch kv_seq kv_heads head_dim"] | Quantized,
+    *,
+    kv_lengths: Int[Array, " batch"] | None = None,
+    q_offset: int | Int[Array, " batch"] = 0,
+    causal: bool = True,
+    implementation: AttentionImpl = "auto",
+    block_q: int = 512,
+    block_kv: int = 512,
+    scale: float | None = None,
+) -> Float[Array, "batch q_seq heads head_dim"]:
+    """Attention on one device (or under the context mesh), the backend chosen by
+    `select_attention`: a standalone entry point for benchmarks and tests.
+
+    **Arguments:** as `eqx_tx.kernels.sdpa.attend`, with `implementation` in place of
+    the backend. **Returns:** the attention output, dtype of `q`.
+    """
+    compute = ComputeConfig(attention=implementation, block_q=block_q, block_kv=block_kv)
+    kind: CacheKind = "int8" if isinstance(k, Quantized) else "dense"
+    choice = select_attention(q.shape, k.shape, q.dtype, cache=kind, q_offset=q_offset, mesh=current_mesh(),
+                              compute=compute)
+    if choice.backend not in ("cudnn", "blockwise", "xla"):
+        raise ValueError(f"dot_product_attention runs single-device kernels, not {choice.backend}")
+    return attend(choice.backend, q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal,
+                  block_q=block_q, block_kv=block_kv, scale=scale)

@@ -1,0 +1,103 @@
+"""The attention kernels behind one call, `attend(backend, ...)`.
+
+- `"cudnn"`: cuDNN fused flash attention via `jax.nn.dot_product_attention` (GPU,
+  bf16/fp16; padded batches through per-sequence lengths).
+- `"blockwise"`: the pure-JAX flash kernel of `eqx_tx.kernels.flash` (any backend,
+  O(T) memory forward and backward; reads int8 keys/values block by block).
+- `"xla"`: the plain reference that materialises `[heads, q, kv]` scores; for tests
+  and tiny inputs.
+
+Which one runs is decided by `eqx_tx.kernels.dispatch.select_attention`.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .flash import flash_attention
+from .quantized import Quantized
+
+KernelBackend = Literal["cudnn", "blockwise", "xla"]
+
+
+def xla_attention(q, k, v, *, kv_lengths=None, q_offset=0, causal=True, scale=None):
+    """Reference attention: materialised scores, float32 softmax, GQA by grouping.
+
+    Same arguments and masking rule as `flash_attention`; returns `(out, lse)`.
+    """
+    B, T, H, K = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    scale = K**-0.5 if scale is None else scale
+    qg = q.reshape(B, T, Hkv, H // Hkv, K)
+    s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    kv_lengths = jnp.full((B,), S) if kv_lengths is None else kv_lengths
+    q_pos = jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None] + jnp.arange(T)
+    k_pos = jnp.arange(S)
+    visible = k_pos[None, None, :] < kv_lengths[:, None, None]
+    if causal:
+        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(visible[:, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    o = jnp.einsum("bhgqs,bshk->bqhgk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, H, K).astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(B, T, H)
+
+
+def cudnn_attention(q, k, v, *, kv_lengths=None, q_offset=0, causal=True, scale=None):
+    """cuDNN fused attention with the masking rule of `flash_attention`.
+
+    cuDNN's causal mask is top-left aligned, so causal queries must start at
+    position 0 — except a single query per sequence at position `q_offset`, which
+    sees keys `[0, q_offset]`: exactly a key-length mask, run without a causal mask.
+    """
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    if causal and T == 1:
+        if kv_lengths is None:
+            kv_lengths = jnp.broadcast_to(jnp.asarray(q_offset) + 1, (B,))
+        causal = False
+    kv_lengths = jnp.full((B,), S, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=causal,
+        query_seq_lengths=jnp.full((B,), T, jnp.int32) if not causal else None,
+        key_value_seq_lengths=kv_lengths,
+        implementation="cudnn",
+    )
+
+
+def attend(
+    backend: KernelBackend,
+    q: Float[Array, "batch q_seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"] | Quantized,
+    v: Float[Array, "batch kv_seq kv_heads head_dim"] | Quantized,
+    *,
+    kv_lengths: Int[Array, " batch"] | None = None,
+    q_offset: int | Int[Array, " batch"] = 0,
+    causal: bool = True,
+    block_q: int = 512,
+    block_kv: int = 512,
+    scale: float | None = None,
+) -> Float[Array, "batch q_seq heads head_dim"]:
+    """Attention of `q` over `k, v` on `backend`, with the masking rule of `flash_attention`.
+
+    **Arguments:** as `eqx_tx.kernels.flash.flash_attention`. Int8 (`Quantized`) keys
+    and values are read block by block by `blockwise` and dequantized whole by `xla`.
+
+    **Returns:** the attention output, dtype of `q`.
+    """
+    kwargs = dict(kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)
+    if backend == "blockwise":
+        return flash_attention(q, k, v, block_q=block_q, block_kv=block_kv, **kwargs)[0]
+    if isinstance(k, Quantized) or isinstance(v, Quantized):
+        if backend == "cudnn":
+            raise ValueError("attention backend 'cudnn' cannot read an int8 KV cache")
+        k = k.dequantize(q.dtype) if isinstance(k, Quantized) else k
+        v = v.dequantize(q.dtype) if isinstance(v, Quantized) else v
+    if backend == "cudnn":
+        return cudnn_attention(q, k, v, **kwargs)
+    return xla_attention(q, k, v, **kwargs)[0]
