@@ -1,6 +1,8 @@
 """eqx_tx: memory-first training and sampling of Hugging Face LLMs in JAX + Equinox."""
 
+from ._log import enable_console_logging
 from .adapters import load_adapter, save_adapter
+from .batch import Batch
 from .compute import ComputeConfig
 from .forward import init_model, logits
 from .generation import Generation, generate, generate_text
@@ -11,7 +13,7 @@ from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeCon
 from .sampling import SamplingParams
 from .saving import save
 from .sharding import RULES, make_mesh, shard
-from .training import Batch, OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
+from .training import OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
 
 __all__ = [
     "Batch",
@@ -29,6 +31,7 @@ __all__ = [
     "TrainState",
     "apply_lora",
     "config_from_hf",
+    "enable_console_logging",
     "generate",
     "generate_text",
     "init_model",

@@ -19,6 +19,9 @@ import numpy as np
 
 from .batch import Batch
 
+Packing = Literal["pack", "pad"]
+LongSequences = Literal["truncate", "error"]
+
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 TINY_STORIES = os.path.join(DATA_DIR, "tiny_stories.jsonl")
 TINY_TOKENIZER = os.path.join(DATA_DIR, "tiny_tokenizer.json")
@@ -71,9 +74,9 @@ class Examples:
         docs: list[list[int]],
         seq_len: int,
         *,
-        packing: Literal["pack", "pad"] = "pack",
+        packing: Packing = "pack",
         pad_id: int = 0,
-        long_sequences: Literal["truncate", "error"] = "truncate",
+        long_sequences: LongSequences = "truncate",
     ):
         window = seq_len + 1
         if packing == "pack":

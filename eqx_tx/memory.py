@@ -125,10 +125,11 @@ def abstract_train_state(model, mesh, config: TrainConfig):
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_map_params(
         optimizer,
-        lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding),
+        lambda x, p: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding),
         shapes,
         params,
-        transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        transform_non_params=lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                   sharding=replicated),
         is_leaf=lambda x: x is None,
     )
     return params, opt_state, frozen

@@ -27,25 +27,36 @@ from .sharding import mesh_context
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup and cosine decay, global-norm clipping.
-
-    The learning rate at (0-based) step `s` is `lr * (s + 1) / warmup_steps` during
-    warmup, then decays along a cosine to `lr * min_lr_ratio` at `total_steps`.
-    Weight decay applies to matrices (projections, embeddings, adapters), not to
-    norms or biases.
-    """
+    """AdamW with linear warmup and cosine decay, global-norm clipping."""
 
     learning_rate: float = 3e-4
+    """Peak learning rate."""
     warmup_steps: int = 0
+    """Steps of linear warmup: the rate at (0-based) step s < warmup_steps is
+    learning_rate * (s + 1) / warmup_steps."""
     total_steps: int = 1000
+    """Steps of the whole schedule: after warmup the rate decays along a cosine to
+    learning_rate * min_lr_ratio at this step."""
     min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
     weight_decay: float = 0.0
+    """Decoupled weight decay, on matrices (projections, embeddings, adapters) only,
+    not on norms or biases."""
     b1: float = 0.9
+    """Adam's first-moment decay."""
     b2: float = 0.95
+    """Adam's second-moment decay."""
     eps: float = 1e-8
+    """Adam's epsilon."""
     max_grad_norm: float | None = 1.0
+    """Clip gradients to this global norm (None: no clipping)."""
+
+    def __post_init__(self):
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}")
 
     def schedule(self, count: Int[Array, ""]) -> Float[Array, ""]:
+        """The learning rate at step `count`."""
         step = jnp.asarray(count, jnp.float32)
         warm = max(self.warmup_steps, 1)
         warmup = self.learning_rate * jnp.minimum(1.0, (step + 1) / warm)
@@ -56,22 +67,35 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Static settings of `train_step`.
-
-    **Arguments:**
-
-    - `optimizer`: AdamW and schedule settings.
-    - `micro_batches`: split each batch into this many micro-batches, accumulating
-      gradients in float32 (the update equals the full-batch update).
-    - `loss_chunk_size`: tokens per LM-head chunk (see `eqx_tx.loss`); `None` computes
-      full `[batch, seq, vocab]` logits with plain autodiff (a baseline for benchmarks).
-    - `compute`: attention implementation, remat policy.
-    """
+    """Static settings of `train_step`."""
 
     optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW and schedule settings."""
     micro_batches: int = 1
+    """Split each batch into this many micro-batches, accumulating gradients in
+    float32 (the update equals the full-batch update)."""
     loss_chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    """Tokens per LM-head chunk (eqx_tx.loss); None computes full [batch, seq, vocab]
+    logits with plain autodiff (a baseline for benchmarks)."""
     compute: ComputeConfig = ComputeConfig()
+    """Attention implementation, remat policy, sequence parallelism."""
+
+    def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be >= 1 (or None), got {self.loss_chunk_size}")
+
+    def check_batch(self, batch_size: int, data_parallel: int = 1) -> None:
+        """Raise if `batch_size` rows do not split into `micro_batches` micro-batches
+        of whole rows per data-parallel group (`data_parallel` groups)."""
+        if batch_size % self.micro_batches:
+            raise ValueError(f"batch size {batch_size} is not divisible by micro_batches={self.micro_batches}")
+        if batch_size % (data_parallel * self.micro_batches):
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by the data-parallel size {data_parallel} "
+                f"x micro_batches {self.micro_batches}"
+            )
 
 
 class TrainState(eqx.Module):
@@ -215,9 +239,7 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     `router_aux_loss_coef`), `grad_norm` (before clipping), `learning_rate` (used
     for this step), `tokens` (number of weighted tokens).
     """
-    B = batch.input_ids.shape[0]
-    if B % config.micro_batches:
-        raise ValueError(f"batch size {B} is not divisible by micro_batches={config.micro_batches}")
+    config.check_batch(batch.input_ids.shape[0])
     with mesh_context(state):
         params, opt_state, step, metrics = train_step_jit(
             state.params, state.opt_state, state.step, state.frozen, batch, config

@@ -31,9 +31,9 @@ def checkpoint(request, checkpoints):
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory):
     """The `tiny` preset trained by `tools/train.py` (shortened run): its final HF directory."""
-    from tests.tools_util import load_tool
+    from tests.tools_util import load_tool, tool_args
 
     train = load_tool("train")
     out = tmp_path_factory.mktemp("trained") / "tiny"
-    train.main(train.Args(output_dir=str(out), steps=40, progress=False))
+    train.main(tool_args(train, output_dir=str(out), steps=40, progress=False))
     return str(out / "final")

@@ -86,3 +86,49 @@ def test_init_model_is_created_sharded():
     w = model.model.layers.mlp.gate_proj.weight
     assert w.dtype == jnp.bfloat16
     assert w.addressable_shards[0].data.shape == (2, 32, 64)
+
+
+def test_rules_refuse_unknown_logical_names():
+    mesh = make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
+    with pytest.raises(KeyError, match=r"\['hedas'\].*no sharding rule"):
+        logical_to_spec(("hedas", "embed"), (4, 4), mesh)
+
+
+def test_stacked_axes_come_from_the_container_declaration():
+    from eqx_tx.loading import abstract_model
+    from eqx_tx.sharding import logical_axes
+
+    config = eqx_tx.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=16)
+    axes = logical_axes(abstract_model(config, jnp.float32))
+    layers = axes.model.layers
+    assert layers.self_attn.q_proj.weight.names == ("layers", "heads", "head_dim", "embed")
+    assert layers.mlp.experts.down_proj.weight.names == ("layers", "experts", "embed", "mlp")
+    assert layers.mlp.gate.weight.names == ("layers", "router", "embed")
+    assert axes.model.embed_tokens.weight.names == ("vocab", "embed")
+
+
+def test_optimizer_state_follows_each_parameter_even_when_shapes_collide():
+    """gate_proj [L, I, E] and down_proj [L, E, I] have one shape when I == E but are
+    sharded on different axes; each Adam moment must take its own parameter's sharding."""
+    import optax
+
+    from eqx_tx.memory import abstract_sharded_model, abstract_train_state
+    from eqx_tx.training import TrainConfig
+
+    mesh = make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
+    config = eqx_tx.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = abstract_sharded_model(config, mesh, jnp.float32)
+    params, opt_state, _ = abstract_train_state(model, mesh, TrainConfig())
+    mlp = params.model.layers.mlp
+    assert mlp.gate_proj.weight.shape == mlp.down_proj.weight.shape
+    assert mlp.gate_proj.weight.sharding.spec != mlp.down_proj.weight.sharding.spec
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+    assert len(adam) == 1
+    for moments in (adam[0].mu, adam[0].nu):
+        for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(moments), strict=True):
+            assert m.shape == p.shape and m.sharding == p.sharding
+    assert adam[0].count.sharding.spec == P()

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from eqx_tx.checkpoint import read_metadata
-from tests.tools_util import load_tool, write_token_ids
+from tests.tools_util import load_tool, tool_args, write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tools", "train.py")
@@ -34,7 +34,7 @@ def _run(*args):
 
 def test_resume_in_a_new_process_continues_exactly(checkpoints, token_data, tmp_path):
     common = ["--model", checkpoints["mha_tied"], "--data", token_data, "--seq-len", "16", "--batch-size", "4",
-              "--steps", "10", "--lr", "1e-2", "--save-every", "100"]
+              "--total-steps", "10", "--learning-rate", "1e-2", "--save-every", "100"]
     _run(*common, "--output-dir", str(tmp_path / "straight"))
     out = _run(*common, "--output-dir", str(tmp_path / "split"), "--stop-after", "5")
     assert "stopped after step 5" in out
@@ -54,7 +54,7 @@ def test_resume_in_a_new_process_continues_exactly(checkpoints, token_data, tmp_
 
 def test_lora_run_exports_adapter_and_merged_model(checkpoints, token_data, tmp_path):
     out = _run("--model", checkpoints["gqa_untied"], "--data", token_data, "--seq-len", "16", "--batch-size", "4",
-               "--steps", "4", "--lora-rank", "4", "--output-dir", str(tmp_path / "lora"))
+               "--total-steps", "4", "--lora-rank", "4", "--output-dir", str(tmp_path / "lora"))
     assert "adapter" in out
     assert os.path.isfile(tmp_path / "lora" / "adapter" / "adapter_model.safetensors")
     assert os.path.isfile(tmp_path / "lora" / "final" / "model.safetensors")
@@ -91,7 +91,8 @@ def test_default_preset_run_learns_and_saves_an_hf_checkpoint(trained_tiny):
         (dict(data="EMPTY"), ValueError, "is empty"),
         (dict(data="LONG", packing="pad", long_sequences="error", seq_len=8), ValueError,
          "longer than seq_len\\+1 = 9 tokens"),
-        (dict(batch_size=6, micro_batches=4), ValueError, "not divisible by --micro-batches"),
+        (dict(batch_size=6, micro_batches=4), ValueError, "batch size 6 is not divisible by micro_batches=4"),
+        (dict(lora_rank=-1), ValueError, "--lora-rank must be >= 0"),
         (dict(model="/no/such/dir/x"), ValueError, "is not a preset"),
     ],
 )
@@ -103,7 +104,7 @@ def test_bad_inputs_have_clear_errors(tmp_path, overrides, error, message):
     if overrides.get("data") == "LONG":
         (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": list(range(20))}) + "\n")
         overrides["data"] = str(tmp_path / "long.jsonl")
-    args = train.Args(output_dir=str(tmp_path / "out"), steps=1, progress=False, **overrides)
+    args = tool_args(train, output_dir=str(tmp_path / "out"), steps=1, progress=False, **overrides)
     with pytest.raises(error, match=message):
         train.main(args)
 
@@ -111,6 +112,6 @@ def test_bad_inputs_have_clear_errors(tmp_path, overrides, error, message):
 def test_long_sequences_are_truncated_in_pad_mode_by_default(tmp_path, capsys):
     train = _train_module()
     (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": list(range(20))}) + "\n")
-    train.main(train.Args(output_dir=str(tmp_path / "out"), data=str(tmp_path / "long.jsonl"), steps=1,
-                          packing="pad", seq_len=8, batch_size=8, progress=False))
+    train.main(tool_args(train, output_dir=str(tmp_path / "out"), data=str(tmp_path / "long.jsonl"), steps=1,
+                         packing="pad", seq_len=8, batch_size=8, progress=False))
     assert "truncated 1 document(s) longer than 9 tokens" in capsys.readouterr().out

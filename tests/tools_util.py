@@ -1,5 +1,6 @@
-"""Helpers for the tests of `tools/`: import a script as a module, write a dataset."""
+"""Helpers for the tests of `tools/`: import a script as a module, build its arguments, write a dataset."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -14,6 +15,15 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def tool_args(train_tool, *, steps: int, micro_batches: int = 1, **fields):
+    """`tools/train.py`'s `Args` for a run of `steps` steps (its default optimizer
+    otherwise) split into `micro_batches`, with `fields` set."""
+    default = train_tool.DEFAULT_TRAIN
+    train = dataclasses.replace(default, micro_batches=micro_batches,
+                                optimizer=dataclasses.replace(default.optimizer, total_steps=steps))
+    return train_tool.Args(train=train, **fields)
 
 
 def write_token_ids(path, *, rows: int, max_len: int, vocab: int = 97, seed: int = 0) -> str:

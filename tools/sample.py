@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from eqx_tx.compute import AttentionImpl
 from eqx_tx.distributed import DistributedArgs
 
 DEFAULT_MODEL = "runs/tiny/final"
@@ -44,7 +45,8 @@ class Args:
     n: int = 1
     """Samples per prompt; the prompt's KV is stored once for all of them."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    attention: Literal["auto", "cudnn", "blockwise", "xla"] = "auto"
+    attention: AttentionImpl = "auto"
+    """Attention kernel (see eqx_tx.ComputeConfig)."""
     stream_every: int = 8
     """Decode steps between streamed updates."""
     distributed: Annotated[DistributedArgs, tyro.conf.OmitArgPrefixes] = dataclasses.field(
@@ -92,6 +94,8 @@ def main(args: Args) -> None:
 
     import eqx_tx
     from eqx_tx.generation import generate
+
+    eqx_tx.enable_console_logging()
     from eqx_tx.loading import resolve_source
     from eqx_tx.sampling import SamplingParams
 
