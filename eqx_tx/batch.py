@@ -1,7 +1,10 @@
 """The training batch: what the data path produces and `train_step` consumes."""
 
 import equinox as eqx
+import numpy as np
 from jaxtyping import Array, Float, Int
+
+HostOrDevice = Array | np.ndarray  # numpy on the host (the data path), jax arrays on devices
 
 
 class Batch(eqx.Module):
@@ -11,7 +14,7 @@ class Batch(eqx.Module):
     `-sum(weights * logp(target)) / (number of non-zero weights)` over the batch.
     """
 
-    input_ids: Int[Array, "batch seq"]
-    target_ids: Int[Array, "batch seq"]
-    loss_weights: Float[Array, "batch seq"]
-    lengths: Int[Array, " batch"]
+    input_ids: Int[HostOrDevice, "batch seq"]
+    target_ids: Int[HostOrDevice, "batch seq"]
+    loss_weights: Float[HostOrDevice, "batch seq"]
+    lengths: Int[HostOrDevice, " batch"]

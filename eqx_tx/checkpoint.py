@@ -47,7 +47,7 @@ def _saved_part(state: TrainState):
     return {"params": state.params, "opt_state": state.opt_state, "step": state.step}
 
 
-def _flat(tree) -> list[tuple[str, object]]:
+def _flat(tree) -> list[tuple[str, jax.Array]]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
 
@@ -59,7 +59,8 @@ def _box_key(name: str, index: tuple, shape: tuple) -> str:
 
 def _parse_box_key(key: str) -> tuple[str, tuple[tuple[int, int], ...]]:
     name, box = key.rsplit("|", 1)
-    return name, tuple(tuple(int(x) for x in part.split(":")) for part in box.split(",") if part)
+    bounds = [part.split(":") for part in box.split(",") if part]
+    return name, tuple((int(a), int(b)) for a, b in bounds)
 
 
 def _after_shards_written(step: int) -> None:
@@ -91,7 +92,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, *, metadata: dic
     _after_shards_written(step)
     barrier(f"checkpoint-{step}-written")
     if jax.process_index() == 0:
-        meta = dict(metadata, step=step, processes=jax.process_count())
+        meta: dict = dict(metadata, step=step, processes=jax.process_count())
         meta["leaves"] = {name: [list(leaf.shape), str(leaf.dtype)] for name, leaf in flat}
         write_text_durably(os.path.join(directory, METADATA_FILE), json.dumps(meta, indent=2))
         write_text_durably(os.path.join(directory, COMMIT_MARKER), f"{step}\n")

@@ -113,8 +113,8 @@ def batch_sharding(mesh, batch_size: int) -> NamedSharding:
 
 def local_rows(mesh, batch_size: int) -> slice:
     """The rows of a `[batch, ...]` array that this process's devices hold."""
-    sharding = batch_sharding(mesh, batch_size)
-    rows = [idx[0].indices(batch_size)[:2] for idx in sharding.addressable_devices_indices_map((batch_size,)).values()]
+    indices = batch_sharding(mesh, batch_size).addressable_devices_indices_map((batch_size,))
+    rows = [idx[0].indices(batch_size)[:2] for idx in indices.values() if idx is not None]
     start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
     return slice(start, stop)
 

@@ -25,9 +25,10 @@ def lengths_from_mask(attention_mask, seq_len: int, batch: int) -> Int[Array, " 
         return jnp.full((batch,), seq_len, jnp.int32)
     if attention_mask.shape != (batch, seq_len):
         raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape {(batch, seq_len)}")
-    if isinstance(attention_mask, jax.core.Tracer):
+    try:
+        m = np.asarray(attention_mask) != 0
+    except jax.errors.TracerArrayConversionError:  # traced: no check possible
         return jnp.sum(attention_mask != 0, axis=-1).astype(jnp.int32)
-    m = np.asarray(attention_mask) != 0
     lengths = m.sum(axis=-1)
     if not np.array_equal(m, np.arange(seq_len)[None, :] < lengths[:, None]):
         raise ValueError("attention_mask must be right-padded: ones, then zeros, in every row")

@@ -61,7 +61,7 @@ def _last_token_logits(model: CausalLM, hidden_bd):
 
 @functools.partial(jax.jit, static_argnames=("chunk", "compute", "full_logits"), donate_argnames="cache")
 def prefill(
-    model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
+    model: CausalLM, cache: Cache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
 ):
     """Write the prompts' keys/values into `cache`; return it and each last token's logits.
 
@@ -85,6 +85,7 @@ def prefill(
         # q_offset stays the static 0 for the first chunk (cuDNN can run there).
         mask = AttentionMask(lengths, start if isinstance(start, int) else jnp.broadcast_to(start, (B,)))
         out = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
+        assert out.cache is not None
         hidden, cache = out.hidden, out.cache
         if full_logits:
             hidden = model.head_logits(hidden)

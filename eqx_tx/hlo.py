@@ -62,7 +62,7 @@ def per_layer_summary(hlo_text: str, num_layers: int) -> dict[str, dict[str, tup
         where = "per_layer" if c.computation in layer_bodies else "outside"
         out[where][c.op][0] += 1
         out[where][c.op][1] += c.bytes
-    return {k: {op: tuple(v) for op, v in d.items()} for k, d in out.items()}
+    return {k: {op: (v[0], v[1]) for op, v in d.items()} for k, d in out.items()}
 
 
 def format_summary(summary) -> str:

@@ -9,6 +9,7 @@ copies of bf16 buffers and overstates memory up to 2x).
 
 import dataclasses
 import os
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -90,7 +91,8 @@ def target_mesh(
     return make_mesh(dp=dp, ep=ep, sp=sp, tp=tp, devices=devices)
 
 
-def _sds(shape, dtype, mesh, *names):
+def _sds(shape, dtype, mesh, *names) -> Any:
+    """A sharded `ShapeDtypeStruct`, standing in for an array in the abstract inputs."""
     spec = logical_to_spec(names + (None,) * (len(shape) - len(names)), shape, mesh)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
@@ -144,7 +146,7 @@ def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfi
         _sds((batch, seq_len), jnp.float32, mesh, "batch"),
         _sds((batch,), jnp.int32, mesh, "batch"),
     )
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    step = _sds((), jnp.int32, mesh)
     with jax.set_mesh(mesh):
         return train_step_jit.lower(params, opt_state, step, frozen, b, config).compile()
 
@@ -189,7 +191,7 @@ def compile_sampling(
         done=lengths,
         tokens=_sds((batch, new_tokens), jnp.int32, mesh, "batch"),
         logprobs=_sds((batch, new_tokens), jnp.float32, mesh, "batch"),
-        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+        step=_sds((), jnp.int32, mesh),
     )
     sampler = jax.eval_shape(lambda: SamplerArrays.from_params([SamplingParams()] * batch, (0,), V))
     sampler = jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh, "batch"), sampler)

@@ -4,8 +4,9 @@ from .layers.rope import RopeConfig
 from .models import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 from .models.config import TransformerConfig
 
-_LLAMA3_ROPE = dict(theta=500_000.0, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192)
+def _llama3_rope(factor: float) -> RopeConfig:
+    return RopeConfig(theta=500_000.0, rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)
 
 PRESETS: dict[str, TransformerConfig] = {
     # Trains from scratch on the shipped tiny stories in about a minute on 2 CPU cores.
@@ -24,14 +25,14 @@ PRESETS: dict[str, TransformerConfig] = {
     "llama3.2-1b": LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-        rope=RopeConfig(factor=32.0, **_LLAMA3_ROPE), tie_word_embeddings=True,
+        rope=_llama3_rope(32.0), tie_word_embeddings=True,
         max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
     ),
     # Llama-3.1-8B.
     "llama3.1-8b": LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        rope=RopeConfig(factor=8.0, **_LLAMA3_ROPE), tie_word_embeddings=False,
+        rope=_llama3_rope(8.0), tie_word_embeddings=False,
         max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
     ),
     # Qwen2.5-7B.

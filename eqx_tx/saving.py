@@ -88,9 +88,9 @@ def save(
                 part = spec.get(model)[idx]  # one tensor at a time, never the whole model on the host
                 tensors[name] = np.ascontiguousarray(spec.to_hf(to_host(part)))
                 weight_map[name] = filename
-            if main:
+            if tmp is not None:  # the main process
                 save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
-        if main:
+        if tmp is not None:
             if len(shards) > 1:
                 total = sum(e[3] for e in entries)
                 with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:

@@ -71,7 +71,7 @@ class Axes:
 
 
 def make_mesh(
-    *, dp: int = -1, sp: int = 1, tp: int = 1, ep: int = 1, devices: Sequence[jax.Device] | None = None
+    *, dp: int = -1, sp: int = 1, tp: int = 1, ep: int = 1, devices: Sequence | None = None
 ) -> Mesh:
     """Build the `("dp", "ep", "sp", "tp")` device mesh.
 
@@ -187,7 +187,7 @@ def logical_axes(tree) -> object:
     return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=lambda x: isinstance(x, HasAxes))
 
 
-def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES):
+def tree_shardings(tree, mesh: AnyMesh, rules: Mapping[str, MeshAxes] = RULES):
     """The `NamedSharding` of every array in `tree` (arrays or `ShapeDtypeStruct`s)."""
     axes = logical_axes(tree)
     return jax.tree.map(

@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from .batch import Batch
 from .compute import ComputeConfig
@@ -55,7 +55,7 @@ class OptimizerConfig:
         if self.warmup_steps < 0 or self.total_steps < 1:
             raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}")
 
-    def schedule(self, count: Int[Array, ""]) -> Float[Array, ""]:
+    def schedule(self, count: Int[ArrayLike, ""]) -> Float[Array, ""]:
         """The learning rate at step `count`."""
         step = jnp.asarray(count, jnp.float32)
         warm = max(self.warmup_steps, 1)
@@ -177,8 +177,9 @@ def _micro_batch_loss(params, frozen, batch: Batch, config: TrainConfig, count, 
     for MoE models, the load-balancing loss (its mean over micro-batches) times its
     coefficient. Returns `(loss, (cross_entropy_share, load_balancing))`."""
     model = eqx.combine(params, frozen)
-    logp, stats = sequence_logprobs(model, batch.input_ids, batch.target_ids, batch.lengths,
-                                    compute=config.compute, chunk_size=config.loss_chunk_size)
+    ids, targets, lengths = (jnp.asarray(x) for x in (batch.input_ids, batch.target_ids, batch.lengths))
+    logp, stats = sequence_logprobs(model, ids, targets, lengths, compute=config.compute,
+                                    chunk_size=config.loss_chunk_size)
     ce = -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp) / count
     balance = stats.load_balancing_loss() if stats is not None else jnp.zeros(())
     loss = ce + model.config.router_aux_loss_coef * balance / micro_batches

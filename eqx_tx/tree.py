@@ -2,8 +2,8 @@
 
 A module built with `eqx.filter_vmap` holds arrays with extra leading axes (the
 decoder's `layers`, an MoE layer's `experts`). The container declares it on the
-field itself, `layers: DecoderBlock = stacked("layers")`, naming the logical axis
-of that leading dimension. Sharding (`eqx_tx.sharding`) reads the axis names and
+field itself, `layers: DecoderBlock = eqx.field(metadata=stacked("layers"))`,
+naming the logical axis of that leading dimension. Sharding (`eqx_tx.sharding`) reads the axis names and
 the HF key mapping (`eqx_tx.hf_params`) reads where the stacking happens; neither
 infers anything from attribute names.
 """
@@ -11,14 +11,13 @@ infers anything from attribute names.
 import dataclasses
 from collections.abc import Sequence
 
-import equinox as eqx
-
 _STACKED = "eqx_tx_stacked_axis"
 
 
-def stacked(axis: str):
-    """A field holding a stacked (vmapped) module whose leading axis is `axis`."""
-    return eqx.field(metadata={_STACKED: axis})
+def stacked(axis: str) -> dict[str, str]:
+    """Field metadata: the field holds a stacked (vmapped) module whose leading axis
+    is the logical axis `axis`."""
+    return {_STACKED: axis}
 
 
 def stacked_axis_of(module, field_name: str) -> str | None:

@@ -255,8 +255,8 @@ def prepare_blocks(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, c
 
 def flash_attention(
     q: Float[Array, "batch q_seq heads head_dim"],
-    k: Float[Array, "batch kv_seq kv_heads head_dim"],
-    v: Float[Array, "batch kv_seq kv_heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"] | Quantized,
+    v: Float[Array, "batch kv_seq kv_heads head_dim"] | Quantized,
     *,
     kv_lengths: Int[Array, " batch"] | None = None,
     q_offset: int | Int[Array, " batch"] = 0,

@@ -84,12 +84,14 @@ def _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring: _Ring):
 
 @eqx.filter_custom_vjp
 def _ring(qkv, kv_lengths, q_pos, k_pos, static, ring):
-    return _ring_forward(*qkv, kv_lengths, q_pos, k_pos, static, ring)
+    q, k, v = qkv
+    return _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring)
 
 
 @_ring.def_fwd
 def _ring_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, static, ring):
-    out = _ring_forward(*qkv, kv_lengths, q_pos, k_pos, static, ring)
+    q, k, v = qkv
+    out = _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring)
     return out, out
 
 

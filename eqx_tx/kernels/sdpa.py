@@ -22,16 +22,25 @@ from .quantized import Quantized
 KernelBackend = Literal["cudnn", "blockwise", "xla"]
 
 
-def xla_attention(q, k, v, *, kv_lengths=None, q_offset=0, causal=True, scale=None):
+def xla_attention(
+    q: Float[Array, "batch q_seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "batch kv_seq kv_heads head_dim"],
+    *,
+    kv_lengths: Int[Array, " batch"] | None = None,
+    q_offset: int | Int[Array, " batch"] = 0,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[Float[Array, "batch q_seq heads head_dim"], Float[Array, "batch q_seq heads"]]:
     """Reference attention: materialised scores, float32 softmax, GQA by grouping.
 
     Same arguments and masking rule as `flash_attention`; returns `(out, lse)`.
     """
     B, T, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    scale = K**-0.5 if scale is None else scale
     qg = q.reshape(B, T, Hkv, H // Hkv, K)
-    s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32)
+    s = s * (K**-0.5 if scale is None else scale)
     kv_lengths = jnp.full((B,), S) if kv_lengths is None else kv_lengths
     q_pos = jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None] + jnp.arange(T)
     k_pos = jnp.arange(S)
@@ -45,7 +54,16 @@ def xla_attention(q, k, v, *, kv_lengths=None, q_offset=0, causal=True, scale=No
     return o.reshape(B, T, H, K).astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(B, T, H)
 
 
-def cudnn_attention(q, k, v, *, kv_lengths=None, q_offset=0, causal=True, scale=None):
+def cudnn_attention(
+    q: Float[Array, "batch q_seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "batch kv_seq kv_heads head_dim"],
+    *,
+    kv_lengths: Int[Array, " batch"] | None = None,
+    q_offset: int | Int[Array, " batch"] = 0,
+    causal: bool = True,
+    scale: float | None = None,
+) -> Float[Array, "batch q_seq heads head_dim"]:
     """cuDNN fused attention with the masking rule of `flash_attention`.
 
     cuDNN's causal mask is top-left aligned, so causal queries must start at
@@ -90,14 +108,14 @@ def attend(
 
     **Returns:** the attention output, dtype of `q`.
     """
-    kwargs = dict(kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)
     if backend == "blockwise":
-        return flash_attention(q, k, v, block_q=block_q, block_kv=block_kv, **kwargs)[0]
+        return flash_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, block_q=block_q,
+                               block_kv=block_kv, scale=scale)[0]
     if isinstance(k, Quantized) or isinstance(v, Quantized):
         if backend == "cudnn":
             raise ValueError("attention backend 'cudnn' cannot read an int8 KV cache")
         k = k.dequantize(q.dtype) if isinstance(k, Quantized) else k
         v = v.dequantize(q.dtype) if isinstance(v, Quantized) else v
     if backend == "cudnn":
-        return cudnn_attention(q, k, v, **kwargs)
-    return xla_attention(q, k, v, **kwargs)[0]
+        return cudnn_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)
+    return xla_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)[0]

@@ -40,10 +40,9 @@ def shared_prefix_attention(
     S, T, H, K = q.shape
     P = prompt_lengths.shape[0]
     n = S // P
-    blocks = dict(block_q=block_q, block_kv=block_kv)
     o_own, lse_own = flash_attention(q, k_own, v_own, kv_lengths=own_lengths, q_offset=own_offset, causal=True,
-                                     **blocks)
+                                     block_q=block_q, block_kv=block_kv)
     o_pre, lse_pre = flash_attention(q.reshape(P, n * T, H, K), k_prompt, v_prompt, kv_lengths=prompt_lengths,
-                                     causal=False, **blocks)
+                                     causal=False, block_q=block_q, block_kv=block_kv)
     o, _ = merge_partials(o_own, lse_own, o_pre.reshape(S, T, H, K), lse_pre.reshape(S, T, H))
     return o.astype(q.dtype)

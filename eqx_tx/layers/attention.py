@@ -109,7 +109,7 @@ class Attention(eqx.Module):
         keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) else k_bthk.shape
         choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
                                   q_offset=mask.q_offset, mesh=mesh, compute=compute)
-        blocks = dict(block_q=compute.block_q, block_kv=compute.block_kv)
+        bq, bkv = compute.block_q, compute.block_kv
         if choice.backend == "shared_prefix":
             assert isinstance(cache, SharedPrefixCache) and layer is not None and positions is not None
             # Completion slot t holds position prompt_length + t.
@@ -120,7 +120,7 @@ class Attention(eqx.Module):
             assert mask.kv_lengths is not None
             o_bthk = shared_prefix_attention(
                 q_bthk, k_own, v_own, k_prompt, v_prompt, own_lengths=mask.kv_lengths, own_offset=mask.q_offset,
-                prompt_lengths=cache.prompt_lengths, **blocks,
+                prompt_lengths=cache.prompt_lengths, block_q=bq, block_kv=bkv,
             )
             return self.o_proj(o_bthk), eqx.tree_at(lambda c: c.completion, cache, completion)
         if choice.backend == "ring":
@@ -129,7 +129,7 @@ class Attention(eqx.Module):
             B = x.shape[0]
             lengths = mask.kv_lengths if mask.kv_lengths is not None else jnp.full((B,), jnp.iinfo(jnp.int32).max - 1)
             o_bthk = ring_attention(q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=mesh,
-                                    **blocks)
+                                    block_q=bq, block_kv=bkv)
         else:
             if isinstance(cache, KVCache):
                 assert layer is not None and positions is not None
@@ -138,7 +138,7 @@ class Attention(eqx.Module):
             else:
                 keys, values = k_bthk, v_bthk
             o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset,
-                            causal=True, **blocks)
+                            causal=True, block_q=bq, block_kv=bkv)
         o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
         return self.o_proj(o_bthk), cache
 

@@ -49,7 +49,7 @@ class KVCache(HasAxes):
             return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    def param_axes(self):
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"k": KV_AXES, "v": KV_AXES, "k_scale": SCALE_AXES, "v_scale": SCALE_AXES}
 
     @property

@@ -52,7 +52,7 @@ class Linear(HasAxes):
         self.in_ndim = len(in_shape)
         self.axes = tuple(axes)
 
-    def param_axes(self):
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"weight": self.axes, "bias": self.axes[: len(self.axes) - self.in_ndim]}
 
     def __call__(self, x: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -80,7 +80,7 @@ class Embedding(HasAxes):
     def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, init_std=0.02, key):
         self.weight = init_std * jax.random.normal(key, (vocab_size, dim), dtype)
 
-    def param_axes(self):
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"weight": ("vocab", "embed")}
 
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch embed"]:

@@ -143,6 +143,7 @@ def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp
         raise ValueError(f"no projection named {targets} in the model")
     wrapped = []
     for (_, node), k in zip(found, jax.random.split(key, len(found))):
+        assert isinstance(node, Linear)
         make = lambda base, k: LoRALinear(base, rank=rank, alpha=alpha, dtype=dtype, key=k)  # noqa: E731
         stacked_shape = node.weight.shape[: node.weight.ndim - len(node.axes)]  # e.g. (layers,)
         for _ in stacked_shape:

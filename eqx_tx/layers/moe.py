@@ -50,7 +50,7 @@ class MoE(eqx.Module):
     """`sum_k weight_k * expert_k(x)` over each token's top-k experts."""
 
     gate: Linear  # the router, [experts, hidden]
-    experts: GatedMLP = stacked("experts")  # every weight has a leading expert axis
+    experts: GatedMLP = eqx.field(metadata=stacked("experts"))  # every weight has a leading expert axis
     top_k: int = eqx.field(static=True)
     norm_topk_prob: bool = eqx.field(static=True)
 

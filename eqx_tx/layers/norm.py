@@ -18,7 +18,7 @@ class RMSNorm(HasAxes):
         self.weight = jnp.ones((dim,), dtype)
         self.eps = eps
 
-    def param_axes(self):
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"weight": ("norm",)}
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:

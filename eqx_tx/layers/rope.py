@@ -27,6 +27,8 @@ class RopeConfig:
                 f"unsupported rope scaling type {self.rope_type!r}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.rope_type == "llama3" and self.original_max_position_embeddings is None:
+            raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "RopeConfig":
@@ -42,14 +44,18 @@ class RopeConfig:
                 f"(rope_scaling={hf.get('rope_scaling')!r}, rope_parameters={hf.get('rope_parameters')!r}); "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        kwargs = dict(theta=float(theta), rope_type=rope_type)
-        if rope_type in ("linear", "llama3"):
-            kwargs["factor"] = float(merged["factor"])
-        if rope_type == "llama3":
-            kwargs["low_freq_factor"] = float(merged["low_freq_factor"])
-            kwargs["high_freq_factor"] = float(merged["high_freq_factor"])
-            kwargs["original_max_position_embeddings"] = int(merged["original_max_position_embeddings"])
-        return cls(**kwargs)
+        if rope_type == "default":
+            return cls(theta=float(theta))
+        if rope_type == "linear":
+            return cls(theta=float(theta), rope_type=rope_type, factor=float(merged["factor"]))
+        return cls(  # llama3
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged["low_freq_factor"]),
+            high_freq_factor=float(merged["high_freq_factor"]),
+            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+        )
 
     def to_hf(self) -> dict:
         """The `rope_parameters` dict (transformers 5.x) for `config.json`."""
@@ -72,6 +78,7 @@ class RopeConfig:
             inv = inv / np.float32(self.factor)
         elif self.rope_type == "llama3":
             old = self.original_max_position_embeddings
+            assert old is not None  # checked in __post_init__
             low_wavelen = old / self.low_freq_factor
             high_wavelen = old / self.high_freq_factor
             wavelen = np.float32(2 * math.pi) / inv

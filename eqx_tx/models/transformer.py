@@ -70,7 +70,7 @@ class Decoder(eqx.Module):
     """Embedding, the stacked blocks (every array has a leading layer axis), final norm."""
 
     embed_tokens: Embedding
-    layers: DecoderBlock = stacked("layers")
+    layers: DecoderBlock = eqx.field(metadata=stacked("layers"))
     norm: RMSNorm
 
     def __init__(self, config: TransformerConfig, *, dtype, key: PRNGKeyArray):
