@@ -44,6 +44,8 @@ if __name__ == "__main__":  # before JAX starts: compile-only GPU targets live o
     if "--measure" not in sys.argv or "compile" in sys.argv[sys.argv.index("--measure") + 1 :][:1]:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
+from eqx_tx.compute import RematPolicy  # noqa: E402  (after the platform is chosen)
+
 STAGES = {
     0: dict(attention="xla", skip_full_logits=False, remat="none", loss_chunk_size=0),
     1: dict(attention="flash", skip_full_logits=False, remat="none", loss_chunk_size=0),
@@ -89,7 +91,7 @@ class Args:
     # Switches overriding the stage's settings:
     attention: Literal["xla", "flash", "cudnn", "blockwise"] | None = None
     skip_full_logits: bool | None = None
-    remat: Literal["none", "full", "dots"] | None = None
+    remat: RematPolicy | None = None
     loss_chunk_size: int | None = None
     """Tokens per LM-head chunk; 0 = unchunked."""
     sequence_parallel: bool | None = None
