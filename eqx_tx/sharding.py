@@ -2,14 +2,18 @@
 
 Every weight declares the *logical* name of each of its axes next to its shape
 (see `eqx_tx.layers.linear.Linear.axes`); activations are constrained with logical
-names too. `RULES` maps logical names to mesh axes, and `logical_to_spec` turns a
-tuple of logical names into a `PartitionSpec`, refusing two logical axes on one
-mesh axis and leaving a dimension unsharded (logged once) when it does not divide.
+names too. The leading axes of stacked modules (the decoder's layers, an MoE
+layer's experts) are named by the field that holds them (`eqx_tx.tree.stacked`).
+`RULES` maps logical names to mesh axes, and `logical_to_spec` turns a tuple of
+logical names into a `PartitionSpec`, refusing a name with no rule and two logical
+axes on one mesh axis, and leaving a dimension unsharded (logged once) when it does
+not divide.
 
 The mesh has the axes `("dp", "ep", "sp", "tp")`: data parallel, expert parallel
 (MoE experts split over it; the batch too, outside the experts), sequence/context
 parallel, tensor parallel. Functions that run the model pick the mesh up from
-JAX's context (`jax.set_mesh`), so the model itself holds only arrays.
+JAX's context (`jax.set_mesh`) once, in `CausalLM.hidden_states`, and pass it down,
+so the model itself holds only arrays.
 """
 
 import abc
@@ -155,7 +159,8 @@ class HasAxes(eqx.Module):
 
     @abc.abstractmethod
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
-        """Map each array field's name to its logical axes (without a layer axis)."""
+        """Map each array field's name to its logical axes, without the leading axes
+        of the stacked fields the module sits in (those are added by `logical_axes`)."""
 
 
 def logical_axes(tree) -> object:
