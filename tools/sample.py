@@ -31,20 +31,27 @@ class Args:
     prompts_file: str | None = None
     """A file of prompts: one per line, or jsonl with a 'prompt' or 'text' field (overrides --prompt)."""
     max_new_tokens: int = 64
+    """Stop each sample after this many new tokens."""
     temperature: float = 0.8
+    """0 is greedy; otherwise logits are divided by it."""
     top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
     top_p: float = 0.95
+    """Keep the smallest set of most likely tokens whose probability reaches p (1.0: all)."""
     seed: int = 0
     """Seed of the first prompt; prompt i uses seed + i."""
     stop_token_ids: tuple[int, ...] | None = None
     """Stop tokens (default: the model's eos_token_id)."""
     tp: int = 1
+    """Tensor-parallel size."""
     prefill_chunk_size: int | None = None
+    """Prefill this many prompt positions at a time (default: the whole prompt)."""
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     """KV-cache storage (int8: per-token, per-head scales; about half of bf16)."""
     n: int = 1
     """Samples per prompt; the prompt's KV is stored once for all of them."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype (auto: the checkpoint's)."""
     attention: AttentionImpl = "auto"
     """Attention kernel (see eqx_tx.ComputeConfig)."""
     stream_every: int = 8
