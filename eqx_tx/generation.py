@@ -261,11 +261,11 @@ def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeCo
     )
 
 
-def _decode_streaming(model, state: DecodeState, sampler: SamplerArrays, *, max_new: int, compute: ComputeConfig,
+def _decode_streaming(model, state: DecodeState, sampler: SamplerArrays, *, compute: ComputeConfig,
                       stream_every: int | None, on_tokens) -> DecodeState:
     """Run the decode loop in segments of `stream_every` steps, reporting new tokens
     after each, until every sequence stopped."""
-    S = state.lengths.shape[0]
+    S, max_new = state.tokens.shape
     segment = stream_every or max_new
     shown = np.zeros((S,), np.int64)
     while True:
@@ -329,8 +329,8 @@ def generate(
     sampler = SamplerArrays.from_params(sequence_params, config.eos_token_ids, config.vocab_size, samples)
     with mesh_context(model):
         state = _prefill_state(model, plan, cache_dtype, compute)
-        state = _decode_streaming(model, state, sampler, max_new=plan.max_new, compute=compute,
-                                  stream_every=stream_every, on_tokens=on_tokens)
+        state = _decode_streaming(model, state, sampler, compute=compute, stream_every=stream_every,
+                                  on_tokens=on_tokens)
     return _results(state)
 
 

@@ -92,7 +92,8 @@ def _check(args: Args) -> None:
 
 
 def _source(args: Args):
-    """The model's config, its checkpoint directory (None for a preset) and tokenizer path."""
+    """The model's config, its checkpoint directory (None for a preset) and its
+    `tokenizer.json` (None if there is none)."""
     import eqx_tx
     from eqx_tx.data import TINY_TOKENIZER
     from eqx_tx.loading import resolve_source
@@ -105,7 +106,9 @@ def _source(args: Args):
         directory = resolve_source(args.model)
     except FileNotFoundError as e:
         raise ValueError(f"--model {args.model!r} is not a preset ({', '.join(sorted(PRESETS))}): {e}") from None
-    return eqx_tx.config_from_hf(read_hf_config(directory)), directory, os.path.join(directory, "tokenizer.json")
+    tokenizer_path = os.path.join(directory, "tokenizer.json")
+    config = eqx_tx.config_from_hf(read_hf_config(directory))
+    return config, directory, tokenizer_path if os.path.isfile(tokenizer_path) else None
 
 
 def _examples(args: Args, config, tokenizer, main_process: bool):
@@ -200,7 +203,7 @@ def _export(args: Args, model, source_dir, tokenizer_path, main_process: bool) -
         eqx_tx.save_adapter(model, os.path.join(args.output_dir, "adapter"), base_model_name_or_path=args.model)
         model = eqx_tx.merge_lora(model)
     extra = tokenizer_files(source_dir)
-    if tokenizer_path and os.path.isfile(tokenizer_path):
+    if tokenizer_path is not None:
         extra["tokenizer.json"] = tokenizer_path
     eqx_tx.save(model, final_dir, extra_files=extra)
     if main_process:
@@ -228,7 +231,7 @@ def main(args: Args) -> None:
         raise ValueError(
             f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}"
         )
-    tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path and os.path.isfile(tokenizer_path) else None
+    tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path is not None else None
     examples = _examples(args, config, tokenizer, main_process)
     model = _model(args, config, source_dir, mesh)
     with jax.set_mesh(mesh):
@@ -245,7 +248,7 @@ def main(args: Args) -> None:
             print(f"resumed from {checkpoint_dir} at step {meta['step']}")
     state = _train(args, state, examples, mesh, checkpoint_dir, main_process)
     if state is not None:
-        _export(args, state.model, source_dir, tokenizer_path if tokenizer is not None else None, main_process)
+        _export(args, state.model, source_dir, tokenizer_path, main_process)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,6 @@ def dot_product_attention(
     kind: CacheKind = "int8" if isinstance(k, Quantized) else "dense"
     choice = select_attention(q.shape, k.shape, q.dtype, cache=kind, q_offset=q_offset, mesh=current_mesh(),
                               compute=compute)
-    if choice.backend not in ("cudnn", "blockwise", "xla"):
-        raise ValueError(f"dot_product_attention runs single-device kernels, not {choice.backend}")
+    assert choice.backend in ("cudnn", "blockwise", "xla")  # ring and shared prefix need their own inputs
     return attend(choice.backend, q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal,
                   block_q=block_q, block_kv=block_kv, scale=scale)
