@@ -12,9 +12,15 @@ class Batch(eqx.Module):
 
     `loss_weights` is a 0/1 mask or real-valued per-token weights; the loss is
     `-sum(weights * logp(target)) / (number of non-zero weights)` over the batch.
+
+    `segment_ids` (optional) packs several documents per row: `1..k` in order along
+    the row, `0` for the padding after `lengths`. Tokens attend only within their
+    document and RoPE positions restart at 0 in each, so every document is scored
+    as if it ran alone.
     """
 
     input_ids: Int[HostOrDevice, "batch seq"]
     target_ids: Int[HostOrDevice, "batch seq"]
     loss_weights: Float[HostOrDevice, "batch seq"]
     lengths: Int[HostOrDevice, " batch"]
+    segment_ids: Int[HostOrDevice, "batch seq"] | None = None

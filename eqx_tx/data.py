@@ -1,16 +1,25 @@
 """Training data: jsonl records -> token sequences -> fixed-length, resumable batches.
 
 Records are JSON lines with `text` (tokenized with the checkpoint's
-`tokenizer.json`) or `input_ids` (token ids as they are). Sequences are either
-*packed* (documents joined with the end-of-text token and cut into windows of
-`seq_len + 1` tokens: no padding, no truncation) or *padded* (one document per row;
-documents longer than `seq_len + 1` tokens are truncated, or refused with
-`long_sequences="error"`).
+`tokenizer.json`) or `input_ids` (token ids as they are). A document of `n` tokens
+gives `n - 1` (input, target) pairs. Rows of `seq_len` pairs are built in one of
+three ways (`Packing`):
 
-Batch `s` is a pure function of `(seed, s)`: a new permutation of the examples each
+- `"segments"` (exact packing): whole documents fill rows greedily (best fit,
+  longest first) and carry segment ids, so attention stays inside each document and
+  RoPE positions restart: every document is scored as if it ran alone, with almost
+  no padding. A document longer than a row is split into row-sized pieces (counted
+  in `Examples.split`).
+- `"pack"` (pretraining style): documents joined with the end-of-text token and cut
+  into windows; attention crosses document boundaries. No padding, no truncation.
+- `"pad"`: one document per row; documents longer than `seq_len + 1` tokens are
+  truncated, or refused with `long_sequences="error"`.
+
+Batch `s` is a pure function of `(seed, s)`: a new permutation of the rows each
 epoch, so resuming at a data position reproduces the same stream.
 """
 
+import bisect
 import json
 import os
 from typing import Literal
@@ -19,7 +28,8 @@ import numpy as np
 
 from .batch import Batch
 
-Packing = Literal["pack", "pad"]
+Packing = Literal["segments", "pack", "pad"]
+PACKINGS: tuple[Packing, ...] = ("segments", "pack", "pad")
 LongSequences = Literal["truncate", "error"]
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
@@ -67,65 +77,131 @@ def tokenize(records: list[dict], tokenizer, eos_id: int | None) -> list[list[in
 
 
 class Examples:
-    """Fixed-length training examples: `tokens [N, seq_len + 1]` and valid `lengths [N]`."""
+    """Fixed-length training rows: `inputs`, `targets`, `weights` and `segment_ids`
+    (`[N, seq_len]`; segment ids only with `packing="segments"`, else `None`) and the
+    number of real pairs per row, `lengths [N]`."""
 
     def __init__(
         self,
         docs: list[list[int]],
         seq_len: int,
         *,
-        packing: Packing = "pack",
+        packing: Packing = "segments",
         pad_id: int = 0,
         long_sequences: LongSequences = "truncate",
     ):
-        window = seq_len + 1
-        if packing == "pack":
-            stream = np.concatenate([np.asarray(d, np.int32) for d in docs])
-            n = len(stream) // window
-            if n == 0:
-                raise ValueError(f"dataset has {len(stream)} tokens, fewer than one window of seq_len+1 = {window}")
-            self.tokens = stream[: n * window].reshape(n, window)
-            self.lengths = np.full((n,), window, np.int32)
-            self.truncated = 0
-        elif packing == "pad":
-            too_long = [i for i, d in enumerate(docs) if len(d) > window]
-            if too_long and long_sequences == "error":
-                raise ValueError(
-                    f"{len(too_long)} sequence(s) are longer than seq_len+1 = {window} tokens "
-                    f"(first: record {too_long[0]}, {len(docs[too_long[0]])} tokens); "
-                    "use long_sequences='truncate' or packing"
-                )
-            self.truncated = len(too_long)
-            self.tokens = np.full((len(docs), window), pad_id, np.int32)
-            self.lengths = np.zeros((len(docs),), np.int32)
-            for i, d in enumerate(docs):
-                d = d[:window]
-                self.tokens[i, : len(d)] = d
-                self.lengths[i] = len(d)
-        else:
-            raise ValueError(f"packing must be 'pack' or 'pad', got {packing!r}")
+        """**Arguments:**
+
+        - `docs`: token ids of each document (at least 2 tokens each).
+        - `seq_len`: pairs per row.
+        - `packing`: how documents become rows (see the module docstring).
+        - `pad_id`: the id written into padding.
+        - `long_sequences`: `"pad"` mode: truncate documents longer than a row, or raise.
+        """
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.seq_len = seq_len
+        self.truncated = 0  # documents cut short ("pad")
+        self.split = 0  # documents split over rows ("segments")
+        self.segment_ids: np.ndarray | None = None
+        docs = [np.asarray(d, np.int32) for d in docs]
+        if packing == "segments":
+            rows = self._segments(docs)
+        elif packing == "pack":
+            rows = self._windows(docs)
+        elif packing == "pad":
+            rows = self._one_per_row(docs, long_sequences)
+        else:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        self._fill(rows, pad_id, segmented=packing == "segments")
+
+    def _windows(self, docs):
+        window = self.seq_len + 1
+        stream = np.concatenate(docs)
+        n = len(stream) // window
+        if n == 0:
+            raise ValueError(f"dataset has {len(stream)} tokens, fewer than one window of seq_len+1 = {window}")
+        return [[w] for w in stream[: n * window].reshape(n, window)]
+
+    def _one_per_row(self, docs, long_sequences):
+        window = self.seq_len + 1
+        too_long = [i for i, d in enumerate(docs) if len(d) > window]
+        if too_long and long_sequences == "error":
+            raise ValueError(
+                f"{len(too_long)} sequence(s) are longer than seq_len+1 = {window} tokens "
+                f"(first: record {too_long[0]}, {len(docs[too_long[0]])} tokens); "
+                "use long_sequences='truncate' or packing"
+            )
+        self.truncated = len(too_long)
+        return [[d[:window]] for d in docs]
+
+    def _segments(self, docs):
+        """Best-fit decreasing: each piece goes to the fullest row it fits in."""
+        L = self.seq_len
+        pieces = []
+        for d in docs:
+            if len(d) - 1 > L:
+                self.split += 1
+                pieces += [d[i: i + L + 1] for i in range(0, len(d) - 1, L)]
+            else:
+                pieces.append(d)
+        rows: list[list[int]] = []  # piece indices per row
+        free: list[tuple[int, int]] = []  # (free pairs, row), sorted
+        for i in sorted(range(len(pieces)), key=lambda i: (-len(pieces[i]), i)):
+            need = len(pieces[i]) - 1
+            at = bisect.bisect_left(free, (need, -1))
+            if at < len(free):
+                room, r = free.pop(at)
+            else:
+                room, r = L, len(rows)
+                rows.append([])
+            rows[r].append(i)
+            if room - need:
+                bisect.insort(free, (room - need, r))
+        return [[pieces[i] for i in sorted(row)] for row in rows]
+
+    def _fill(self, rows, pad_id: int, *, segmented: bool):
+        N, L = len(rows), self.seq_len
+        self.inputs = np.full((N, L), pad_id, np.int32)
+        self.targets = np.full((N, L), pad_id, np.int32)
+        self.weights = np.zeros((N, L), np.float32)
+        self.lengths = np.zeros((N,), np.int32)
+        segments = np.zeros((N, L), np.int32)
+        for r, pieces in enumerate(rows):
+            at = 0
+            for s, piece in enumerate(pieces, 1):
+                n = len(piece) - 1
+                self.inputs[r, at:at + n], self.targets[r, at:at + n] = piece[:-1], piece[1:]
+                self.weights[r, at:at + n] = 1.0
+                segments[r, at:at + n] = s
+                at += n
+            self.lengths[r] = at
+        if segmented:
+            self.segment_ids = segments
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.inputs)
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of row slots that hold no token."""
+        return 1.0 - float(self.lengths.sum()) / self.inputs.size
 
     def batch(self, step: int, batch_size: int, *, seed: int = 0, rows: slice = slice(None)) -> Batch:
         """Batch number `step` (every epoch reshuffled by `seed`), as numpy arrays;
         `rows` selects this process's share of a multi-host batch (the same rows a
         single process would put there)."""
-        n = len(self.tokens)
+        n = len(self.inputs)
         idx = np.arange(step * batch_size, (step + 1) * batch_size)[rows]
         epochs, pos = idx // n, idx % n
         order = np.empty_like(idx)
         for e in np.unique(epochs):
             perm = np.random.default_rng([seed, int(e)]).permutation(n)
             order[epochs == e] = perm[pos[epochs == e]]
-        tokens, lengths = self.tokens[order], self.lengths[order]
-        inputs_len = lengths - 1  # the last token of each row is only a target
-        valid = np.arange(self.seq_len)[None, :] < inputs_len[:, None]
         return Batch(  # host (numpy) arrays: place them with eqx_tx.distributed.global_batch
-            input_ids=np.where(valid, tokens[:, :-1], 0).astype(np.int32),
-            target_ids=np.where(valid, tokens[:, 1:], 0).astype(np.int32),
-            loss_weights=valid.astype(np.float32),
-            lengths=inputs_len.astype(np.int32),
+            input_ids=self.inputs[order],
+            target_ids=self.targets[order],
+            loss_weights=self.weights[order],
+            lengths=self.lengths[order],
+            segment_ids=None if self.segment_ids is None else self.segment_ids[order],
         )

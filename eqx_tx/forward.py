@@ -39,10 +39,38 @@ def positions_for(batch: int, seq_len: int) -> Int[Array, "batch seq"]:
     return jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
 
 
+def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
+    """RoPE positions of packed documents: restarting at 0 wherever the id changes."""
+    T = segment_ids.shape[-1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def check_segment_ids(segment_ids, lengths) -> None:
+    """Raise unless each row's ids are positive and non-decreasing up to its length and
+    0 after it (checked only when concrete and on this host)."""
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (segment_ids, lengths)):
+        return
+    try:
+        seg, lengths = np.asarray(segment_ids), np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if seg.ndim != 2 or seg.shape[0] != lengths.shape[0]:
+        raise ValueError(f"segment_ids shape {seg.shape} does not match {lengths.shape[0]} sequences")
+    real = np.arange(seg.shape[1])[None, :] < lengths[:, None]
+    if np.any(real & (seg <= 0)) or np.any(~real & (seg != 0)):
+        raise ValueError("segment_ids must be >= 1 on the tokens of each row and 0 on its padding")
+    if np.any(real[:, 1:] & (np.diff(seg, axis=1) < 0)):
+        raise ValueError("segment_ids must be non-decreasing along each row (documents packed in order)")
+
+
 @functools.partial(jax.jit, static_argnames="compute")
-def _logits(model: CausalLM, input_ids, lengths, compute: ComputeConfig):
+def _logits(model: CausalLM, input_ids, lengths, compute: ComputeConfig, segment_ids=None):
     B, T = input_ids.shape
-    out = model.hidden_states(input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0), compute=compute)
+    rope = None if segment_ids is None else segment_positions(segment_ids)
+    out = model.hidden_states(input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0, segment_ids),
+                              compute=compute, rope_positions=rope)
     return model.head_logits(out.hidden)
 
 
@@ -51,6 +79,7 @@ def logits(
     input_ids: Int[Array, "batch seq"],
     attention_mask: Int[Array, "batch seq"] | None = None,
     *,
+    segment_ids: Int[Array, "batch seq"] | None = None,
     compute: ComputeConfig = ComputeConfig(),
 ) -> Float[Array, "batch seq vocab"]:
     """Float32 logits of every position (for tests and small inputs).
@@ -60,16 +89,24 @@ def logits(
     - `model`: a `CausalLM` (possibly sharded; its mesh is used).
     - `input_ids`: token ids.
     - `attention_mask`: right-padded 0/1 mask; padded positions do not change the
-      logits of real ones (their own logits are unspecified).
+      logits of real ones (their own logits are unspecified). Default: no padding,
+      or the non-zero `segment_ids`.
+    - `segment_ids`: packed documents (`1..k` in order along the row, `0` padding):
+      each document's logits are those it has alone.
     - `compute`: attention implementation and remat policy.
 
     **Returns:** `[batch, seq, vocab]` float32 logits.
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     B, T = input_ids.shape
+    if attention_mask is None and segment_ids is not None:
+        attention_mask = jnp.asarray(segment_ids) != 0
     lengths = lengths_from_mask(attention_mask, T, B)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        check_segment_ids(segment_ids, lengths)
     with mesh_context(model):
-        return _logits(model, input_ids, lengths, compute)
+        return _logits(model, input_ids, lengths, compute, segment_ids)
 
 
 def init_model(

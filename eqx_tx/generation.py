@@ -178,13 +178,13 @@ def _check_requests(config, prompts, params, n: int, prefill_chunk_size) -> tupl
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    limit = config.max_position_embeddings
+    limit = None if config.rope.extends_past_max_position else config.max_position_embeddings
     for i, (p, sp) in enumerate(zip(prompts, params)):
         if not p:
             raise ValueError(f"prompt {i} is empty")
-        if len(p) > limit:
+        if limit is not None and len(p) > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_position_embeddings {limit}")
-        if len(p) + sp.max_new_tokens > limit:
+        if limit is not None and len(p) + sp.max_new_tokens > limit:
             raise ValueError(
                 f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds "
                 f"max_position_embeddings {limit}"

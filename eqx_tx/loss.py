@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
-from .forward import lengths_from_mask, positions_for
+from .forward import check_segment_ids, lengths_from_mask, positions_for, segment_positions
 from .kernels.ring import to_context_layout
 from .layers.attention import AttentionMask
 from .layers.moe import RouterStats
@@ -154,13 +154,15 @@ def sequence_logprobs(
     *,
     compute: ComputeConfig,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    segment_ids: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq"], RouterStats | None]:
     """The core of `token_logprobs` and of the training loss.
 
     Under context parallelism (a mesh with `sp > 1`) the tokens run in the
     load-balanced ring order and the log-probabilities are put back in the original
     order. `chunk_size=None` is the naive baseline for benchmarks: full
-    `[batch, seq, vocab]` logits with plain autodiff.
+    `[batch, seq, vocab]` logits with plain autodiff. `segment_ids`: packed
+    documents (see `eqx_tx.Batch`).
 
     **Returns:** float32 log-probabilities `[batch, seq]` and, for MoE models, the
     router statistics of all layers (else `None`).
@@ -168,15 +170,18 @@ def sequence_logprobs(
     B, T = input_ids.shape
     sp = context_parallel_size()
     order = None
+    packed = () if segment_ids is None else (segment_ids, segment_positions(segment_ids))
     if sp > 1:
-        (input_ids, target_ids), positions, order = to_context_layout((input_ids, target_ids), sp)
+        (input_ids, target_ids, *packed), positions, order = to_context_layout((input_ids, target_ids, *packed), sp)
     else:
         positions = positions_for(B, T)
+    segments, rope_positions = (constrain(x, ("batch", "seq")) for x in packed) if packed else (None, None)
     out = model.hidden_states(
         constrain(input_ids, ("batch", "seq")),
         positions=constrain(positions, ("batch", "seq")),
-        mask=AttentionMask(lengths, 0),
+        mask=AttentionMask(lengths, 0, segments),
         compute=compute,
+        rope_positions=rope_positions,
     )
     if chunk_size is None:
         logits = model.head_logits(out.hidden)
@@ -194,6 +199,7 @@ def token_logprobs(
     target_ids: Int[Array, "batch seq"],
     *,
     attention_mask: Int[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute: ComputeConfig = ComputeConfig(),
 ) -> Float[Array, "batch seq"]:
@@ -207,7 +213,10 @@ def token_logprobs(
     - `model`: the model.
     - `input_ids`: the inputs.
     - `target_ids`: the token to score at each position (usually inputs shifted by one).
-    - `attention_mask`: right-padded 0/1 mask (default: no padding).
+    - `attention_mask`: right-padded 0/1 mask (default: no padding, or the non-zero
+      `segment_ids`).
+    - `segment_ids`: packed documents (`1..k` in order along the row, `0` padding):
+      each document is scored as if it ran alone.
     - `chunk_size`: tokens per LM-head chunk.
     - `compute`: attention implementation and remat policy.
 
@@ -215,8 +224,14 @@ def token_logprobs(
     meaningless; weight them by zero).
     """
     B, T = input_ids.shape
+    if attention_mask is None and segment_ids is not None:
+        attention_mask = jnp.asarray(segment_ids) != 0
     lengths = lengths_from_mask(attention_mask, T, B)
-    return sequence_logprobs(model, input_ids, target_ids, lengths, compute=compute, chunk_size=chunk_size)[0]
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        check_segment_ids(segment_ids, lengths)
+    return sequence_logprobs(model, input_ids, target_ids, lengths, compute=compute, chunk_size=chunk_size,
+                             segment_ids=segment_ids)[0]
 
 
 def weighted_cross_entropy(

@@ -18,6 +18,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .batch import Batch
 from .compute import ComputeConfig
+from .forward import check_segment_ids
 from .layers.linear import Embedding, Linear
 from .layers.lora import trainable_filter
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
@@ -178,8 +179,9 @@ def _micro_batch_loss(params, frozen, batch: Batch, config: TrainConfig, count, 
     coefficient. Returns `(loss, (cross_entropy_share, load_balancing))`."""
     model = eqx.combine(params, frozen)
     ids, targets, lengths = (jnp.asarray(x) for x in (batch.input_ids, batch.target_ids, batch.lengths))
+    segments = None if batch.segment_ids is None else jnp.asarray(batch.segment_ids)
     logp, stats = sequence_logprobs(model, ids, targets, lengths, compute=config.compute,
-                                    chunk_size=config.loss_chunk_size)
+                                    chunk_size=config.loss_chunk_size, segment_ids=segments)
     ce = -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp) / count
     balance = stats.load_balancing_loss() if stats is not None else jnp.zeros(())
     loss = ce + model.config.router_aux_loss_coef * balance / micro_batches
@@ -241,6 +243,8 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     for this step), `tokens` (number of weighted tokens).
     """
     config.check_batch(batch.input_ids.shape[0])
+    if batch.segment_ids is not None:
+        check_segment_ids(batch.segment_ids, batch.lengths)
     with mesh_context(state):
         params, opt_state, step, metrics = train_step_jit(
             state.params, state.opt_state, state.step, state.frozen, batch, config

@@ -129,9 +129,9 @@ def test_unsupported_architecture_error(copy_of):
 def test_unknown_rope_scaling_error(copy_of):
     d = copy_of()
     cfg = json.load(open(d / "config.json"))
-    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "proportional", "factor": 2.0, "rope_theta": 10000.0}
     json.dump(cfg, open(d / "config.json", "w"))
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'proportional'"):
         eqx_tx.load(d, progress=False)
 
 

@@ -57,8 +57,10 @@ class Args:
     """Expert-parallel size (MoE models: experts split over it); the mesh is dp x ep x sp x tp."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype (auto: float32 for presets, the checkpoint's dtype otherwise)."""
-    packing: Packing = "pack"
-    """pack: documents joined with the end-of-text token and cut into windows; pad: one
+    packing: Packing = "segments"
+    """segments: whole documents packed into rows with segment ids (each attends only to
+    itself, as if alone; longer ones split); pack: documents joined with the end-of-text
+    token and cut into windows (pretraining style, attention crosses documents); pad: one
     document per row."""
     long_sequences: LongSequences = "truncate"
     """In pad mode: truncate documents longer than seq_len+1 tokens, or stop with an error."""
@@ -121,6 +123,12 @@ def _examples(args: Args, config, tokenizer, main_process: bool):
     examples = Examples(docs, args.seq_len, packing=args.packing, pad_id=eos or 0, long_sequences=args.long_sequences)
     if examples.truncated and main_process:
         print(f"note: truncated {examples.truncated} document(s) longer than {args.seq_len + 1} tokens")
+    if examples.split and main_process:
+        print(f"note: split {examples.split} document(s) longer than {args.seq_len + 1} tokens over several rows "
+              "(each piece attends only to itself)")
+    if main_process:
+        print(f"data: {len(examples)} rows of {args.seq_len} tokens ({args.packing}), "
+              f"{100 * examples.padding_fraction:.1f}% padding")
     return examples
 
 
@@ -227,7 +235,7 @@ def main(args: Args) -> None:
     mesh = eqx_tx.make_mesh(ep=args.ep, sp=args.sp, tp=args.tp)
     args.train.check_batch(args.batch_size, mesh.shape["dp"] * mesh.shape["ep"])  # the batch splits over dp x ep
     config, source_dir, tokenizer_path = _source(args)
-    if args.seq_len > config.max_position_embeddings:
+    if args.seq_len > config.max_position_embeddings and not config.rope.extends_past_max_position:
         raise ValueError(
             f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}"
         )

@@ -76,8 +76,11 @@ def _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh) -> str | None:
     return None
 
 
-def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl) -> AttentionChoice:
+def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl,
+            segmented: bool) -> AttentionChoice:
     T, S = q_shape[1], k_shape[1]
+    if segmented and cache != "none":
+        raise ValueError("segment ids (packed sequences) are for attention without a KV cache")
     if cache == "none" and mesh_axis_size(mesh, "sp") > 1:
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
     if cache == "shared_prefix":
@@ -88,6 +91,11 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         if requested == "xla":
             return AttentionChoice("xla", "requested; the int8 cache is dequantized whole (reference)")
         return AttentionChoice("blockwise", "the KV cache is int8 (dequantized block by block)")
+    if segmented and requested in ("cudnn", "auto"):
+        # jax.nn.dot_product_attention's cuDNN path takes no segment ids.
+        why = "segment ids (packed sequences): cuDNN path takes none"
+        if requested == "cudnn" or _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh) is None:
+            return AttentionChoice("blockwise", f"not cudnn because of {why}")
     if requested == "cudnn":
         reason = _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh)
         if reason is not None:
@@ -112,6 +120,7 @@ def select_attention(
     q_offset: int | Int[Array, " batch"],
     mesh: AnyMesh | None,
     compute: ComputeConfig,
+    segmented: bool = False,
 ) -> AttentionChoice:
     """Choose the attention backend (logged once per distinct choice and reason).
 
@@ -126,10 +135,12 @@ def select_attention(
       mask run.
     - `mesh`: the mesh being compiled for (`None`: one device).
     - `compute`: the requested implementation (`compute.attention`).
+    - `segmented`: the queries carry segment ids (packed documents); cuDNN then
+      falls back to blockwise, logged.
 
     **Returns:** an `AttentionChoice`; a request that cannot run raises `ValueError`.
     """
-    choice = _choose(tuple(q_shape), tuple(k_shape), dtype, cache, q_offset, mesh, compute.attention)
+    choice = _choose(tuple(q_shape), tuple(k_shape), dtype, cache, q_offset, mesh, compute.attention, segmented)
     log_once(f"attention: {choice.backend} ({choice.reason})")
     return choice
 

@@ -11,9 +11,13 @@ Masking works on positions: key `j` of sequence `b` is visible to query `i` iff
 default `k_pos` is the key index (a cache slot) and `q_pos = q_offset + i`: training
 uses `q_offset = 0`, chunked prefill the chunk start, decode the current cache length.
 Explicit position arrays (non-decreasing along each row) serve context parallelism,
-where a device holds two distant chunks of the sequence. Loops run only over blocks
-that hold a visible key, so causal attention skips the fully masked upper triangle and
-decode skips the unfilled part of the cache.
+where a device holds two distant chunks of the sequence.
+
+Packed sequences add segment ids (`0`: padding, `1..k`: documents): a key is visible
+only to queries of its own (non-zero) segment. Loops run only over the span of blocks
+that can hold a visible key, so causal attention skips the fully masked upper
+triangle, decode skips the unfilled part of the cache, and packed documents (ids
+non-decreasing along the row) cost about what they cost alone.
 
 GQA is handled by grouping the query heads of each key/value head
 (`[batch, q, kv_heads, group, head_dim]`), never by repeating K/V.
@@ -38,6 +42,7 @@ class Tiling:
     block_q: int
     block_kv: int
     scale: float
+    segmented: bool = False
 
 
 def _slice_kv(x, start, size, dtype):
@@ -69,11 +74,17 @@ def _pad_axis(x, size, axis):
 _NO_POSITION = jnp.iinfo(jnp.int32).max  # padded keys: never visible
 
 
-def _tile_mask(q_pos, k_pos, kv_lengths, causal):
-    """`[batch, 1, 1, bq, bk]` visibility of keys at `k_pos [B, bk]` to queries at `q_pos [B, bq]`."""
+_NO_SEGMENT = jnp.iinfo(jnp.int32).max
+
+
+def _tile_mask(q_pos, k_pos, kv_lengths, causal, q_seg=None, k_seg=None):
+    """`[batch, 1, 1, bq, bk]` visibility of keys at `k_pos [B, bk]` to queries at `q_pos [B, bq]`
+    (and, when given, only within the same non-zero segment)."""
     visible = (k_pos < kv_lengths[:, None])[:, None, :]
     if causal:
         visible = visible & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if q_seg is not None and k_seg is not None:
+        visible = visible & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg != 0)[:, None, :]
     return visible[:, None, None]
 
 
@@ -84,36 +95,64 @@ def _block_bounds(q_pos, k_pos, bq, bk):
     return q_max, k_min
 
 
-def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling):
+def _segment_bounds(seg, block):
+    """Per block the smallest and largest non-zero segment id over the batch (an
+    all-padding block gets an empty range)."""
+    s = seg.reshape(seg.shape[0], -1, block)
+    return (jnp.min(jnp.where(s > 0, s, _NO_SEGMENT), axis=(0, 2)), jnp.max(jnp.where(s > 0, s, -1), axis=(0, 2)))
+
+
+def _segments_overlap(a, b):
+    """Whether the segment ranges `a = (lo, hi)` and `b` (broadcasting) share an id."""
+    return (a[1] >= b[0]) & (a[0] <= b[1])
+
+
+def _span(needed):
+    """First and one-past-last true index of a bool vector (`(0, 0)` if none): the
+    blocks a loop visits. Blocks inside the span that are not needed are masked."""
+    n = needed.shape[0]
+    found = jnp.any(needed)
+    return jnp.where(found, jnp.argmax(needed), 0), jnp.where(found, n - jnp.argmax(needed[::-1]), 0)
+
+
+def _slice_segments(seg, start, size):
+    return None if seg is None else jax.lax.dynamic_slice_in_dim(seg, start, size, axis=1)
+
+
+def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling, q_seg=None, k_seg=None):
     """The raw forward pass on the padded, grouped inputs of `prepare_blocks`.
 
     **Returns:** `o [B, Tp, Hkv, G, K]` (q dtype) and `lse [B, Tp, Hkv, G]` (float32).
 
     Positions are non-decreasing along rows, so the key blocks a query block needs
-    are a prefix `[0, hi)`: those starting at or before its last query (causal) and
-    before the longest sequence's end.
+    form a span: those starting at or before its last query (causal), before the
+    longest sequence's end and (packed) sharing a segment id with it.
     """
     bq, bk = static.block_q, static.block_kv
     B, Tp, Hkv, G, K = q.shape
     n_q = Tp // bq
     q_max, k_min = _block_bounds(q_pos, k_pos, bq, bk)
     needed_kv = k_min < jnp.max(kv_lengths)
+    if static.segmented:
+        q_ranges, k_ranges = _segment_bounds(q_seg, bq), _segment_bounds(k_seg, bk)
 
     def q_block(i, carry):
         out, lse = carry
         q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
         q_pos_i = jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1)
+        q_seg_i = _slice_segments(q_seg, i * bq, bq)
 
         def kv_block(j, acc):
             o, m, l = acc
             k_j = _slice_kv(k, j * bk, bk, q.dtype)
             k_pos_j = jax.lax.dynamic_slice_in_dim(k_pos, j * bk, bk, axis=1)
+            k_seg_j = _slice_segments(k_seg, j * bk, bk)
             # Zero values of invisible keys: stale cache slots may hold anything.
             v_j = _slice_kv(v, j * bk, bk, q.dtype)
             v_j = jnp.where((k_pos_j < kv_lengths[:, None])[:, :, None, None], v_j, 0)
             s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
-            s = jnp.where(_tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal), s, -jnp.inf)
+            s = jnp.where(_tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal, q_seg_i, k_seg_j), s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - m_safe[..., None])
@@ -126,8 +165,10 @@ def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling):
         m0 = jnp.full((B, Hkv, G, bq), -jnp.inf, jnp.float32)
         l0 = jnp.zeros((B, Hkv, G, bq), jnp.float32)
         visible = needed_kv & (k_min <= q_max[i]) if static.causal else needed_kv
-        hi = jnp.sum(visible)
-        o, m, l = jax.lax.fori_loop(0, hi, kv_block, (o0, m0, l0))
+        if static.segmented:
+            visible = visible & _segments_overlap(k_ranges, (q_ranges[0][i], q_ranges[1][i]))
+        lo, hi = _span(visible)
+        o, m, l = jax.lax.fori_loop(lo, hi, kv_block, (o0, m0, l0))
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
         lse_i = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         out = jax.lax.dynamic_update_slice_in_dim(
@@ -141,7 +182,7 @@ def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling):
     return jax.lax.fori_loop(0, n_q, q_block, (out, lse))
 
 
-def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: Tiling):
+def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: Tiling, q_seg=None, k_seg=None):
     """Float32 gradients w.r.t. the padded, grouped `q, k, v`, given the final `o, lse`.
 
     Exact per key block (FlashAttention-2): it only needs each query's final
@@ -154,12 +195,15 @@ def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: 
     kv_max = jnp.max(kv_lengths)
     # D_i = rowsum(dO * O) - dlse_i: the softmax-Jacobian term; dlse enters as p * dlse.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
+    if static.segmented:
+        q_ranges, k_ranges = _segment_bounds(q_seg, bq), _segment_bounds(k_seg, bk)
 
     def kv_block(j, carry):
         dq, dk, dv = carry
         k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
         v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
         k_pos_j = jax.lax.dynamic_slice_in_dim(k_pos, j * bk, bk, axis=1)
+        k_seg_j = _slice_segments(k_seg, j * bk, bk)
 
         def q_block(i, acc):
             dq, dk_j, dv_j = acc
@@ -170,7 +214,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: 
             q_pos_i = jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1)
             s = jnp.einsum("bqhgk,bshk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
-            mask = _tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal)
+            mask = _tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal, _slice_segments(q_seg, i * bq, bq), k_seg_j)
             lse_t = jnp.transpose(lse_i, (0, 2, 3, 1))[..., None]
             p = jnp.where(mask, jnp.exp(s - lse_t), 0.0)
             dv_j = dv_j + jnp.einsum(
@@ -186,11 +230,15 @@ def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: 
             dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, axis=1)
             return dq, dk_j, dv_j
 
-        # Query blocks that see this key block: a suffix (positions are non-decreasing).
-        lo = jnp.sum(q_max < k_min[j]) if static.causal else 0
-        lo = jnp.where(k_min[j] >= kv_max, n_q, lo)
+        # Query blocks that see this key block: a span (positions are non-decreasing).
+        needed = jnp.broadcast_to(k_min[j] < kv_max, (n_q,))
+        if static.causal:
+            needed = needed & (q_max >= k_min[j])
+        if static.segmented:
+            needed = needed & _segments_overlap(q_ranges, (k_ranges[0][j], k_ranges[1][j]))
+        lo, hi = _span(needed)
         zeros = jnp.zeros((B, bk, Hkv, K), jnp.float32)
-        dq, dk_j, dv_j = jax.lax.fori_loop(lo, n_q, q_block, (dq, zeros, zeros))
+        dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, q_block, (dq, zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, axis=1)
         return dq, dk, dv
@@ -202,34 +250,36 @@ def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: 
 
 
 @eqx.filter_custom_vjp
-def _flash(qkv, kv_lengths, q_pos, k_pos, static):
+def _flash(qkv, kv_lengths, q_pos, k_pos, segments, static):
     q, k, v = qkv
-    return flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static)
+    return flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static, *segments)
 
 
 @_flash.def_fwd
-def _flash_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, static):
+def _flash_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, segments, static):
     q, k, v = qkv
-    o, lse = flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static)
+    o, lse = flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static, *segments)
     return (o, lse), (o, lse)
 
 
 @_flash.def_bwd
-def _flash_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, static):
+def _flash_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, segments, static):
     q, k, v = qkv
     o, lse = residuals
     do, dlse = grads
     do = jnp.zeros_like(o) if do is None else do
     dlse = jnp.zeros_like(lse) if dlse is None else dlse
-    dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
+    dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static, *segments)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def prepare_blocks(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, block_q, block_kv, scale):
+def prepare_blocks(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, causal, block_q, block_kv, scale,
+                   q_segment_ids=None, kv_segment_ids=None):
     """Pad to whole blocks, group query heads by key/value head, build position arrays.
 
-    Returns `((q5, k, v), kv_lengths, q_pos, k_pos, static)`, the inputs of the raw
-    `flash_forward` / `flash_backward` (used directly by ring attention).
+    Returns `((q5, k, v), kv_lengths, q_pos, k_pos, (q_seg, k_seg), static)`, the
+    inputs of the raw `flash_forward` / `flash_backward` (used directly by ring
+    attention); the segment arrays are `None` without segment ids.
     """
     B, T, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -237,8 +287,11 @@ def prepare_blocks(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, c
         raise ValueError(f"query heads {H} are not a multiple of key/value heads {Hkv}")
     if tuple(k.shape) != tuple(v.shape) or k.shape[0] != B or k.shape[3] != K:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("give both q_segment_ids and kv_segment_ids, or neither")
+    segmented = q_segment_ids is not None
     bq, bk = min(block_q, T), min(block_kv, S)
-    static = Tiling(causal, bq, bk, float(K**-0.5 if scale is None else scale))
+    static = Tiling(causal, bq, bk, float(K**-0.5 if scale is None else scale), segmented)
     if q_positions is None:
         q_positions = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1) + jnp.arange(T, dtype=jnp.int32)
     if k_positions is None:
@@ -250,7 +303,11 @@ def prepare_blocks(q, k, v, *, kv_lengths, q_positions, k_positions, q_offset, c
     q_pos = jnp.pad(q_positions, ((0, 0), (0, Tp - T)), constant_values=-1)
     k_pos = jnp.pad(k_positions, ((0, 0), (0, Sp - S)), constant_values=_NO_POSITION)
     q5 = _pad_axis(q, Tp, 1).reshape(B, Tp, Hkv, H // Hkv, K)
-    return (q5, _pad_kv(k, Sp), _pad_kv(v, Sp)), kv_lengths, q_pos, k_pos, static
+    segments = (None, None)
+    if q_segment_ids is not None and kv_segment_ids is not None:
+        segments = (_pad_axis(jnp.broadcast_to(q_segment_ids.astype(jnp.int32), (B, T)), Tp, 1),
+                    _pad_axis(jnp.broadcast_to(kv_segment_ids.astype(jnp.int32), (B, S)), Sp, 1))
+    return (q5, _pad_kv(k, Sp), _pad_kv(v, Sp)), kv_lengths, q_pos, k_pos, segments, static
 
 
 def flash_attention(
@@ -262,6 +319,8 @@ def flash_attention(
     q_offset: int | Int[Array, " batch"] = 0,
     q_positions: Int[Array, "batch q_seq"] | None = None,
     k_positions: Int[Array, "batch kv_seq"] | None = None,
+    q_segment_ids: Int[Array, "batch q_seq"] | None = None,
+    kv_segment_ids: Int[Array, "batch kv_seq"] | None = None,
     causal: bool = True,
     block_q: int = 512,
     block_kv: int = 512,
@@ -278,6 +337,9 @@ def flash_attention(
     - `q_offset`: position of the first query per sequence (scalar or `[batch]`).
     - `q_positions`, `k_positions`: explicit positions, non-decreasing along each
       row (default: `q_offset + arange`, `arange`).
+    - `q_segment_ids`, `kv_segment_ids`: packed documents (`0`: padding, `1..k`:
+      documents; best non-decreasing along each row): a key is visible only to
+      queries of its own non-zero segment. A query that sees no key gives `0`.
     - `causal`: whether keys at later positions than a query are hidden from it.
     - `block_q`, `block_kv`: tile sizes (clipped to the sequence lengths; any
       length works, the last block is padded and masked).
@@ -288,11 +350,12 @@ def flash_attention(
     differentiable.
     """
     B, T, H, K = q.shape
-    qkv, kv_lengths, q_pos, k_pos, static = prepare_blocks(
+    qkv, kv_lengths, q_pos, k_pos, segments, static = prepare_blocks(
         q, k, v, kv_lengths=kv_lengths, q_positions=q_positions, k_positions=k_positions, q_offset=q_offset,
-        causal=causal, block_q=block_q, block_kv=block_kv, scale=scale,
+        causal=causal, block_q=block_q, block_kv=block_kv, scale=scale, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
-    o, lse = _flash(qkv, kv_lengths, q_pos, k_pos, static)
+    o, lse = _flash(qkv, kv_lengths, q_pos, k_pos, segments, static)
     Tp = q_pos.shape[1]
     return o.reshape(B, Tp, H, K)[:, :T], lse.reshape(B, Tp, H)[:, :T]
 

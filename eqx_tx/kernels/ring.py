@@ -68,53 +68,58 @@ def _shift(tree, size):
     return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % size) for i in range(size)])
 
 
-def _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring: _Ring):
+def _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, segments, static, ring: _Ring):
+    q_seg, k_seg = segments
+
     def step(_, carry):
-        o_acc, lse_acc, k, v, k_pos = carry
-        o, lse = flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static)
+        o_acc, lse_acc, k, v, k_pos, k_seg = carry
+        o, lse = flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static, q_seg, k_seg)
         o_acc, lse_acc = merge_partials(o_acc, lse_acc, o, lse)
-        k, v, k_pos = _shift((k, v, k_pos), ring.size)
-        return o_acc, lse_acc, k, v, k_pos
+        k, v, k_pos, k_seg = _shift((k, v, k_pos, k_seg), ring.size)
+        return o_acc, lse_acc, k, v, k_pos, k_seg
 
     o0 = jnp.zeros(q.shape, jnp.float32)
     lse0 = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
-    o, lse, *_ = jax.lax.fori_loop(0, ring.size, step, (o0, lse0, k, v, k_pos))
+    o, lse, *_ = jax.lax.fori_loop(0, ring.size, step, (o0, lse0, k, v, k_pos, k_seg))
     return o.astype(q.dtype), lse
 
 
 @eqx.filter_custom_vjp
-def _ring(qkv, kv_lengths, q_pos, k_pos, static, ring):
+def _ring(qkv, kv_lengths, q_pos, k_pos, segments, static, ring):
     q, k, v = qkv
-    return _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring)
+    return _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, segments, static, ring)
 
 
 @_ring.def_fwd
-def _ring_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, static, ring):
+def _ring_fwd(perturbed, qkv, kv_lengths, q_pos, k_pos, segments, static, ring):
     q, k, v = qkv
-    out = _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, static, ring)
+    out = _ring_forward(q, k, v, kv_lengths, q_pos, k_pos, segments, static, ring)
     return out, out
 
 
 @_ring.def_bwd
-def _ring_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, static, ring):
+def _ring_bwd(residuals, grads, perturbed, qkv, kv_lengths, q_pos, k_pos, segments, static, ring):
     q, k, v = qkv
+    q_seg, k_seg = segments
     o, lse = residuals
     do, dlse = grads
     do = jnp.zeros_like(o) if do is None else do
     dlse = jnp.zeros_like(lse) if dlse is None else dlse
 
     def step(_, carry):
-        dq, k, v, k_pos, dk, dv = carry
-        dq_s, dk_s, dv_s = flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static)
-        k, v, k_pos, dk, dv = _shift((k, v, k_pos, dk + dk_s, dv + dv_s), ring.size)
-        return dq + dq_s, k, v, k_pos, dk, dv
+        dq, k, v, k_pos, k_seg, dk, dv = carry
+        dq_s, dk_s, dv_s = flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static, q_seg, k_seg)
+        k, v, k_pos, k_seg, dk, dv = _shift((k, v, k_pos, k_seg, dk + dk_s, dv + dv_s), ring.size)
+        return dq + dq_s, k, v, k_pos, k_seg, dk, dv
 
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-    dq, _, _, _, dk, dv = jax.lax.fori_loop(0, ring.size, step, (zeros(q), k, v, k_pos, zeros(k), zeros(v)))
+    init = (zeros(q), k, v, k_pos, k_seg, zeros(k), zeros(v))
+    dq, _, _, _, _, dk, dv = jax.lax.fori_loop(0, ring.size, step, init)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def ring_attention(q, k, v, *, positions, kv_lengths, mesh, causal=True, block_q=512, block_kv=512, scale=None):
+def ring_attention(q, k, v, *, positions, kv_lengths, mesh, segment_ids=None, causal=True, block_q=512, block_kv=512,
+                   scale=None):
     """Causal self-attention with the sequence sharded over the mesh's `sp` axis.
 
     **Arguments:**
@@ -123,6 +128,8 @@ def ring_attention(q, k, v, *, positions, kv_lengths, mesh, causal=True, block_q
       in the load-balanced token order, sequence sharded over `sp`.
     - `positions [batch, seq]`: each token's real position (the same layout).
     - `kv_lengths [batch]`: tokens at positions `>= kv_lengths` are padding.
+    - `segment_ids [batch, seq]`: packed documents (the same layout; see
+      `eqx_tx.kernels.flash.flash_attention`); they travel with the keys.
     - `mesh`: the (abstract) mesh with an `sp` axis; batch and heads keep their
       `dp` / `tp` sharding inside.
 
@@ -138,19 +145,20 @@ def ring_attention(q, k, v, *, positions, kv_lengths, mesh, causal=True, block_q
     pos_spec = P(q_spec[0], q_spec[1])
     len_spec = P(q_spec[0])
 
-    def local(q, k, v, positions, kv_lengths):
+    def local(q, k, v, positions, kv_lengths, segment_ids=None):
         B, T, H, K = q.shape
-        qkv, kvl, q_pos, k_pos, static = prepare_blocks(
+        qkv, kvl, q_pos, k_pos, segments, static = prepare_blocks(
             q, k, v, kv_lengths=kv_lengths, q_positions=positions, k_positions=positions, q_offset=0,
-            causal=causal, block_q=block_q, block_kv=block_kv, scale=scale,
+            causal=causal, block_q=block_q, block_kv=block_kv, scale=scale, q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
         )
-        o, _ = _ring(qkv, kvl, q_pos, k_pos, static, _Ring(size))
+        o, _ = _ring(qkv, kvl, q_pos, k_pos, segments, static, _Ring(size))
         return o.reshape(B, -1, H, K)[:, :T]
 
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(q_spec, k_spec, k_spec, pos_spec, len_spec),
+        in_specs=(q_spec, k_spec, k_spec, pos_spec, len_spec) + (() if segment_ids is None else (pos_spec,)),
         out_specs=q_spec,
         check_vma=False,
-    )(q, k, v, positions, kv_lengths)
+    )(q, k, v, positions, kv_lengths, *(() if segment_ids is None else (segment_ids,)))

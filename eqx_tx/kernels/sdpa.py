@@ -29,6 +29,8 @@ def xla_attention(
     *,
     kv_lengths: Int[Array, " batch"] | None = None,
     q_offset: int | Int[Array, " batch"] = 0,
+    q_segment_ids: Int[Array, "batch q_seq"] | None = None,
+    kv_segment_ids: Int[Array, "batch kv_seq"] | None = None,
     causal: bool = True,
     scale: float | None = None,
 ) -> tuple[Float[Array, "batch q_seq heads head_dim"], Float[Array, "batch q_seq heads"]]:
@@ -47,6 +49,9 @@ def xla_attention(
     visible = k_pos[None, None, :] < kv_lengths[:, None, None]
     if causal:
         visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+    if q_segment_ids is not None and kv_segment_ids is not None:
+        same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+        visible = visible & same & (kv_segment_ids != 0)[:, None, :]
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.where(visible[:, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
@@ -96,6 +101,7 @@ def attend(
     *,
     kv_lengths: Int[Array, " batch"] | None = None,
     q_offset: int | Int[Array, " batch"] = 0,
+    segment_ids: Int[Array, "batch seq"] | None = None,
     causal: bool = True,
     block_q: int = 512,
     block_kv: int = 512,
@@ -103,19 +109,25 @@ def attend(
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """Attention of `q` over `k, v` on `backend`, with the masking rule of `flash_attention`.
 
-    **Arguments:** as `eqx_tx.kernels.flash.flash_attention`. Int8 (`Quantized`) keys
-    and values are read block by block by `blockwise` and dequantized whole by `xla`.
+    **Arguments:** as `eqx_tx.kernels.flash.flash_attention`; `segment_ids` are the
+    packed documents of a self-attention (queries and keys are the same tokens; not
+    on cuDNN). Int8 (`Quantized`) keys and values are read block by block by
+    `blockwise` and dequantized whole by `xla`.
 
     **Returns:** the attention output, dtype of `q`.
     """
     if backend == "blockwise":
-        return flash_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, block_q=block_q,
-                               block_kv=block_kv, scale=scale)[0]
+        return flash_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, q_segment_ids=segment_ids,
+                               kv_segment_ids=segment_ids, causal=causal, block_q=block_q, block_kv=block_kv,
+                               scale=scale)[0]
     if isinstance(k, Quantized) or isinstance(v, Quantized):
         if backend == "cudnn":
             raise ValueError("attention backend 'cudnn' cannot read an int8 KV cache")
         k = k.dequantize(q.dtype) if isinstance(k, Quantized) else k
         v = v.dequantize(q.dtype) if isinstance(v, Quantized) else v
     if backend == "cudnn":
+        if segment_ids is not None:
+            raise ValueError("attention backend 'cudnn' does not take segment ids (packed sequences)")
         return cudnn_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)
-    return xla_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)[0]
+    return xla_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, q_segment_ids=segment_ids,
+                         kv_segment_ids=segment_ids, causal=causal, scale=scale)[0]

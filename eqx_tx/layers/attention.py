@@ -24,10 +24,14 @@ class AttentionMask(eqx.Module):
     Key `j` of sequence `b` is visible to query `i` iff `j < kv_lengths[b]` and
     `j <= q_offset[b] + i` (causal). `q_offset` is the Python int `0` when queries
     start at position 0 (training, the first prefill chunk), which lets cuDNN run.
+    With `segment_ids` (packed documents, without a cache: `0` padding, `1..k`
+    documents in order along the row), a key is also visible only to queries of
+    its own document.
     """
 
     kv_lengths: Int[Array, " batch"] | None
     q_offset: int | Int[Array, " batch"] = eqx.field(default=0)
+    segment_ids: Int[Array, "batch seq"] | None = None
 
     @classmethod
     def decode(cls, positions: Int[Array, " batch"]) -> "AttentionMask":
@@ -108,7 +112,8 @@ class Attention(eqx.Module):
         v_bthk = checkpoint_name(constrain(v_bthk, ("batch", "seq", "act_kv_heads", None)), "v")
         keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) else k_bthk.shape
         choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
-                                  q_offset=mask.q_offset, mesh=mesh, compute=compute)
+                                  q_offset=mask.q_offset, mesh=mesh, compute=compute,
+                                  segmented=mask.segment_ids is not None)
         bq, bkv = compute.block_q, compute.block_kv
         if choice.backend == "shared_prefix":
             assert isinstance(cache, SharedPrefixCache) and layer is not None and positions is not None
@@ -129,7 +134,7 @@ class Attention(eqx.Module):
             B = x.shape[0]
             lengths = mask.kv_lengths if mask.kv_lengths is not None else jnp.full((B,), jnp.iinfo(jnp.int32).max - 1)
             o_bthk = ring_attention(q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=mesh,
-                                    block_q=bq, block_kv=bkv)
+                                    segment_ids=mask.segment_ids, block_q=bq, block_kv=bkv)
         else:
             if isinstance(cache, KVCache):
                 assert layer is not None and positions is not None
@@ -138,7 +143,7 @@ class Attention(eqx.Module):
             else:
                 keys, values = k_bthk, v_bthk
             o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset,
-                            causal=True, block_q=bq, block_kv=bkv)
+                            segment_ids=mask.segment_ids, causal=True, block_q=bq, block_kv=bkv)
         o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
         return self.o_proj(o_bthk), cache
 

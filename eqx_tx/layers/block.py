@@ -72,6 +72,8 @@ class DecoderBlock(eqx.Module):
         x = x + checkpoint_name(h, "block_attn_out")
         if isinstance(self.mlp, MoE):
             valid = None if mask.kv_lengths is None or positions is None else positions < mask.kv_lengths[:, None]
+            if mask.segment_ids is not None:
+                valid = (mask.segment_ids != 0) if valid is None else valid & (mask.segment_ids != 0)
             y, stats = self.mlp(self.post_attention_layernorm(x), valid, mesh=mesh)
             return BlockOutput(x + y, cache, stats)
         return BlockOutput(x + self.mlp(self.post_attention_layernorm(x)), cache)

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..compute import ComputeConfig
 from ..layers.attention import Attention, AttentionMask
 from ..layers.block import DecoderBlock, run_stack
-from ..layers.kv_cache import Cache, KVCache
+from ..layers.kv_cache import Cache, KVCache, SharedPrefixCache
 from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE, RouterStats
@@ -125,17 +125,21 @@ class CausalLM(eqx.Module):
         mask: AttentionMask,
         compute: ComputeConfig,
         cache: Cache | None = None,
+        rope_positions: Int[Array, "batch seq"] | None = None,
     ) -> ModelOutput:
         """Final-norm hidden states of every position (no LM head).
 
         **Arguments:**
 
         - `input_ids`: token ids.
-        - `positions`: position of each token (RoPE angle and cache slot).
-        - `mask`: which keys each query sees.
+        - `positions`: each token's slot in its row (the causal order, the cache
+          slot) and, unless `rope_positions` is given, its RoPE angle.
+        - `mask`: which keys each query sees (with `segment_ids`: packed documents).
         - `compute`: how to run (attention kernel, remat policy).
         - `cache`: when given, keys/values are written at `positions` and attention
           reads the whole cache.
+        - `rope_positions`: RoPE positions where they differ from the slots (packed
+          documents: restarting at 0 in each).
 
         The mesh set with `jax.set_mesh` (if any) is read here, once, and passed down
         to the layers that choose a parallel path by it (ring attention over `sp`,
@@ -146,7 +150,16 @@ class CausalLM(eqx.Module):
         c = self.config
         mesh = current_mesh()
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope)
+        rope_positions = positions if rope_positions is None else rope_positions
+        seq_len = None
+        if c.rope.depends_on_length:  # the longest real sequence of this call
+            real = jnp.ones(positions.shape, bool)
+            if mask.kv_lengths is not None and not isinstance(cache, SharedPrefixCache):
+                real = positions < mask.kv_lengths[:, None]
+            if mask.segment_ids is not None:
+                real = real & (mask.segment_ids != 0)
+            seq_len = jnp.max(jnp.where(real, rope_positions, 0)) + 1
+        cos, sin = rope_cos_sin(rope_positions, c.head_dim, c.rope, seq_len)
         stats = RouterStats.zeros(c.num_experts_per_tok, c.num_experts) if c.num_experts else None
         out = run_stack(
             self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=cache,
