@@ -5,24 +5,34 @@
    Linear attention memory grows ~4x from 4k to 16k tokens; the XLA path, which
    materialises `[heads, T, T]` scores, grows ~16x.
 2. Speed: attention forward+backward (`jax.grad`) wall time at T=2048 and 8192.
+3. Packed documents: a mixed-length set of documents (64 to 2048 tokens) run as
+   rows packed with segment ids, as one padded row per document, as the packed rows
+   without segment ids (causal over the whole row: what skipping saves), and each
+   document alone (the sum): attention forward+backward, and a whole small-model
+   training step (forward+backward) in real tokens per second.
 
     python benchmarks/benchmark_attention.py
 """
 
 import dataclasses
 import os
+import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import tyro
 
 import eqx_tx
+from eqx_tx.data import Examples
 from eqx_tx.kernels.dispatch import dot_product_attention
+from eqx_tx.kernels.flash import flash_attention
 from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
-from eqx_tx.training import TrainConfig
+from eqx_tx.training import Batch, TrainConfig, _loss_and_grads
 
 
 @dataclasses.dataclass
@@ -34,6 +44,11 @@ class Args:
     head_dim: int = 64
     repeats: int = 2
     skip_speed: bool = False
+    packed_row: int = 4096
+    """Row length of the packed-documents comparison."""
+    packed_docs: tuple[int, ...] = (2048, 1536, 1024, 768, 640, 512, 384, 320, 256, 192, 128, 128, 96, 64, 64)
+    """Document lengths (tokens) of the packed-documents comparison: long-tailed, like fine-tuning data."""
+    skip_packed: bool = False
 
 
 def model_temp_bytes(implementation: str, seq_len: int) -> int:
@@ -65,6 +80,75 @@ def attention_seconds(implementation: str, T: int, args: Args) -> float:
     return min(times)
 
 
+def _median_seconds(fn, *inputs, repeats: int) -> float:
+    jax.block_until_ready(fn(*inputs))  # compile
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _layouts(args: Args):
+    """The documents as packed rows (with and without segment ids) and as padded rows."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 4096, n + 1).tolist() for n in args.packed_docs]
+    packed = Examples(docs, args.packed_row, packing="segments")
+    padded = Examples(docs, max(args.packed_docs), packing="pad")
+    return docs, packed, padded
+
+
+def packed_attention(args: Args) -> dict[str, float]:
+    """Attention forward+backward seconds of each layout (blockwise kernel)."""
+    _, packed, padded = _layouts(args)
+    H, Hkv, K = args.heads, args.kv_heads, args.head_dim
+
+    def run(rows: int, T: int, lengths, segments):
+        key = jax.random.key(rows * 100_003 + T)
+        q = jax.random.normal(key, (rows, T, H, K))
+        k = jax.random.normal(jax.random.fold_in(key, 1), (rows, T, Hkv, K))
+        v = jax.random.normal(jax.random.fold_in(key, 2), (rows, T, Hkv, K))
+
+        def loss(q, k, v):
+            o, _ = flash_attention(q, k, v, kv_lengths=lengths, q_segment_ids=segments, kv_segment_ids=segments)
+            return jnp.sum(o)
+
+        return _median_seconds(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=args.repeats)
+
+    seg = jnp.asarray(packed.segment_ids)
+    out = {
+        "packed (segment ids)": run(len(packed), args.packed_row, jnp.asarray(packed.lengths), seg),
+        "packed, no segment ids (crosses documents)": run(len(packed), args.packed_row, jnp.asarray(packed.lengths),
+                                                          None),
+        "padded (one document per row)": run(len(padded), padded.seq_len, jnp.asarray(padded.lengths), None),
+        "each document alone (sum)": sum(run(1, n, None, None) for n in args.packed_docs),
+    }
+    return out
+
+
+def packed_train_step(args: Args) -> dict[str, float]:
+    """Whole-model forward+backward seconds, packed (segment ids) vs padded."""
+    _, packed, padded = _layouts(args)
+    config = eqx_tx.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                head_dim=args.head_dim)
+    model = eqx_tx.init_model(config, key=jax.random.key(0))
+    params, frozen = eqx.partition(model, eqx.is_array)
+    train = TrainConfig(loss_chunk_size=2048, compute=eqx_tx.ComputeConfig(attention="blockwise"))
+    step = jax.jit(_loss_and_grads, static_argnums=3)
+
+    def run(ex: Examples):
+        b = ex.batch(0, len(ex))
+        batch = Batch(*(jnp.asarray(x) for x in (b.input_ids, b.target_ids, b.loss_weights, b.lengths)),
+                      segment_ids=None if b.segment_ids is None else jnp.asarray(b.segment_ids))
+        count = jnp.float32(np.sum(ex.weights))
+        return _median_seconds(lambda p, f, bt: step(p, f, bt, train, count), params, frozen, batch,
+                               repeats=args.repeats)
+
+    return {"packed (segment ids)": run(packed), "padded (one document per row)": run(padded)}
+
+
 def main(args: Args) -> None:
     print("Whole-model forward+backward temp memory (compiled, CPU, B=1):")
     print("| implementation | " + " | ".join(f"T={t}" for t in args.memory_seq_lens) + " | growth |")
@@ -73,6 +157,21 @@ def main(args: Args) -> None:
         temps = [model_temp_bytes(impl, t) for t in args.memory_seq_lens]
         cells = " | ".join(f"{b / 2**20:,.0f} MiB" for b in temps)
         print(f"| {impl} | {cells} | {temps[-1] / temps[0]:.1f}x |")
+    if not args.skip_packed:
+        _, packed, padded = _layouts(args)
+        tokens = sum(args.packed_docs)
+        print(f"\nPacked documents: {len(args.packed_docs)} documents, {tokens} tokens "
+              f"({min(args.packed_docs)}-{max(args.packed_docs)}); packed: {len(packed)} rows of {args.packed_row} "
+              f"({100 * packed.padding_fraction:.0f}% padding); padded: {len(padded)} rows of {padded.seq_len} "
+              f"({100 * padded.padding_fraction:.0f}% padding). Blockwise kernel, median of {args.repeats}.")
+        print("| layout | attention fwd+bwd | real tokens/s | model fwd+bwd | real tokens/s |")
+        print("|---|---|---|---|---|")
+        attention = packed_attention(args)
+        model = packed_train_step(args)
+        for name, seconds in attention.items():
+            cells = f"{seconds:.3f} s | {tokens / seconds:,.0f}"
+            model_cells = f"{model[name]:.3f} s | {tokens / model[name]:,.0f}" if name in model else "- | -"
+            print(f"| {name} | {cells} | {model_cells} |")
     if args.skip_speed:
         return
     print(f"\nAttention forward+backward time (causal, B=1, {args.heads} heads, {args.kv_heads} kv heads, "

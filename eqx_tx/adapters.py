@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .distributed import to_host
-from .fileio import atomic_directory, barrier
+from .fileio import atomic_directory, barrier, open_safetensors
 from .hf_params import hf_tensors
 from .layers.lora import apply_lora, lora_settings
 from .loading import read_arrays
@@ -80,7 +79,7 @@ def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32):
     with_lora = apply_lora(model, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=targets,
                            dtype=dtype, key=jax.random.key(0))
     specs = _adapter_specs(with_lora)
-    with safe_open(weights_path, framework="flax") as f:
+    with open_safetensors(weights_path) as f:
         names = set(f.keys())
     expected = {PEFT_PREFIX + n for s in specs for n in s.hf_names()}
     if names != expected:

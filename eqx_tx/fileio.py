@@ -1,9 +1,13 @@
-"""Atomic directory writes: build in a temporary sibling, then swap it in."""
+"""Files on disk: atomic directory writes (build in a temporary sibling, then swap it
+in) and safetensors files opened with errors that say what is wrong."""
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
+
+from safetensors import safe_open
 
 
 def fsync_file(path: str) -> None:
@@ -68,3 +72,39 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """What is wrong with the safetensors file at `path` (`None`: nothing found).
+
+    The layout is an 8-byte little-endian header size, a JSON header with each
+    tensor's `data_offsets`, then the data: the file must end where the last tensor does.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors header"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"its header claims {n} bytes but the file has only {size} (truncated, or not safetensors)"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            return f"unreadable header ({type(e).__name__}: {e})"
+    if 8 + n + end != size:
+        return f"its tensors need {8 + n + end} bytes but the file has {size} (truncated or corrupt)"
+    return None
+
+
+def open_safetensors(path: str):
+    """`safetensors.safe_open(path, framework="flax")`, after checking that the file is
+    whole; a truncated or corrupt file raises `ValueError` naming it and the problem."""
+    problem = _safetensors_problem(path)
+    if problem is None:
+        try:
+            return safe_open(path, framework="flax")
+        except Exception as e:  # safetensors raises its own error types
+            problem = str(e)
+    raise ValueError(f"{path}: not a valid safetensors file: {problem}")

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .distributed import host_device
+from .fileio import open_safetensors
 from .hf_params import hf_tensors
 from .models import CausalLM, config_from_hf
 from .models.config import read_hf_config
@@ -66,13 +66,13 @@ def checkpoint_files(directory: str) -> dict[str, str]:
             raise FileNotFoundError(f"{index_path} names shard files that do not exist: {missing}")
         return {k: os.path.join(directory, v) for k, v in weight_map.items()}
     if os.path.isfile(single):
-        with safe_open(single, framework="flax") as f:
+        with open_safetensors(single) as f:
             return {k: single for k in f.keys()}
     others = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if others:
         files = {}
         for path in others:
-            with safe_open(path, framework="flax") as f:
+            with open_safetensors(path) as f:
                 files.update({k: path for k in f.keys()})
         return files
     pickles = sorted(p for p in os.listdir(directory) if p.endswith(PICKLE_SUFFIXES))
@@ -148,7 +148,7 @@ def read_arrays(specs, files: dict[str, str], shardings, dtype, *, where: str, p
     Shapes are checked against the files first; then every device reads only the
     slice it holds. `files` maps (prefixed) tensor names to safetensors paths.
     """
-    handles = {path: safe_open(path, framework="flax") for path in sorted(set(files.values()))}
+    handles = {path: open_safetensors(path) for path in sorted(set(files.values()))}
     for spec in specs:
         for name in spec.hf_names():
             found = tuple(handles[files[prefix + name]].get_slice(prefix + name).get_shape())

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import pickle
 import shutil
 
@@ -105,6 +106,20 @@ def test_unexpected_key_error(copy_of):
     d = copy_of()
     _rewrite(d, lambda t: t.__setitem__("model.layers.0.extra.weight", np.zeros(3, np.float32)))
     with pytest.raises(KeyError, match="unexpected tensor.*model.layers.0.extra.weight"):
+        eqx_tx.load(d, progress=False)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[: len(b) - 100], r"its tensors need \d+ bytes but the file has \d+ \(truncated or corrupt\)"),
+    (lambda b: b[:5], "5 bytes, too short for a safetensors header"),
+    (lambda b: b[:8] + b"{not json" + b[17:], "unreadable header"),
+    (lambda b: (10**9).to_bytes(8, "little") + b[8:], "its header claims 1000000000 bytes"),
+])
+def test_truncated_or_corrupt_safetensors_names_the_file(copy_of, damage, message):
+    d = copy_of()
+    path = d / "model.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not a valid safetensors file: ") + message):
         eqx_tx.load(d, progress=False)
 
 

@@ -93,6 +93,10 @@ def test_default_preset_run_learns_and_saves_an_hf_checkpoint(trained_tiny):
          "longer than seq_len\\+1 = 9 tokens"),
         (dict(batch_size=6, micro_batches=4), ValueError, "batch size 6 is not divisible by micro_batches=4"),
         (dict(lora_rank=-1), ValueError, "--lora-rank must be >= 0"),
+        (dict(lora_rank=4, lora_alpha=0.0), ValueError, "--lora-alpha must be > 0"),
+        (dict(output_dir="USED"), ValueError, "is not empty \\(final\\); pass --resume to continue the run there or "
+         "--overwrite to replace it"),
+        (dict(output_dir="USED", resume=True, overwrite=True), ValueError, "give one"),
         (dict(model="/no/such/dir/x"), ValueError, "is not a preset"),
     ],
 )
@@ -104,7 +108,11 @@ def test_bad_inputs_have_clear_errors(tmp_path, overrides, error, message):
     if overrides.get("data") == "LONG":
         (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": list(range(20))}) + "\n")
         overrides["data"] = str(tmp_path / "long.jsonl")
-    args = tool_args(train, output_dir=str(tmp_path / "out"), steps=1, progress=False, **overrides)
+    if overrides.get("output_dir") == "USED":
+        (tmp_path / "used" / "final").mkdir(parents=True)
+        overrides["output_dir"] = str(tmp_path / "used")
+    overrides.setdefault("output_dir", str(tmp_path / "out"))
+    args = tool_args(train, steps=1, progress=False, **overrides)
     with pytest.raises(error, match=message):
         train.main(args)
 
@@ -112,6 +120,10 @@ def test_bad_inputs_have_clear_errors(tmp_path, overrides, error, message):
 def test_long_sequences_are_truncated_in_pad_mode_by_default(tmp_path, capsys):
     train = _train_module()
     (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": list(range(20))}) + "\n")
+    (tmp_path / "out" / "final").mkdir(parents=True)  # a previous run's, replaced with --overwrite
+    (tmp_path / "out" / "final" / "stale.txt").write_text("old")
     train.main(tool_args(train, output_dir=str(tmp_path / "out"), data=str(tmp_path / "long.jsonl"), steps=1,
-                         packing="pad", seq_len=8, batch_size=8, progress=False))
+                         packing="pad", seq_len=8, batch_size=8, progress=False, overwrite=True))
     assert "truncated 1 document(s) longer than 9 tokens" in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "out" / "final" / "model.safetensors")
+    assert not os.path.exists(tmp_path / "out" / "final" / "stale.txt")

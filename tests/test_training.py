@@ -203,3 +203,13 @@ def test_tp_train_step_equals_single_device(checkpoints):
     assert sharded.params.model.layers.mlp.up_proj.weight.sharding.spec[1] == "tp"
     for a, b in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(single.params)):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank,alpha,message", [(0, 8.0, "rank must be an int >= 1, got 0"),
+                                                (-2, 8.0, "rank must be an int >= 1, got -2"),
+                                                (4, 0.0, "alpha must be > 0, got 0.0"),
+                                                (4, -1.0, "alpha must be > 0")])
+def test_bad_lora_settings_are_refused(checkpoints, rank, alpha, message):
+    model = eqx_tx.load(checkpoints["mha_tied"], progress=False)
+    with pytest.raises(ValueError, match=message):
+        apply_lora(model, rank=rank, alpha=alpha, key=jax.random.key(0))

@@ -66,6 +66,8 @@ class Args:
     """In pad mode: truncate documents longer than seq_len+1 tokens, or stop with an error."""
     resume: bool = False
     """Continue from OUTPUT_DIR/checkpoint (same settings) where it stopped."""
+    overwrite: bool = False
+    """Write into an OUTPUT_DIR that already holds files (another run's are replaced)."""
     save_every: int = 50
     """Steps between checkpoints (one is always written at the end)."""
     stop_after: int | None = None
@@ -91,6 +93,16 @@ def _check(args: Args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tune), got {args.lora_rank}")
+    if args.lora_rank > 0 and not args.lora_alpha > 0:
+        raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one")
+    existing = sorted(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else []
+    if existing and not (args.resume or args.overwrite):
+        raise ValueError(
+            f"--output-dir {args.output_dir} is not empty ({', '.join(existing[:5])}); pass --resume to continue "
+            "the run there or --overwrite to replace it"
+        )
 
 
 def _source(args: Args):

@@ -130,8 +130,10 @@ def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp
 
     **Returns:** the model with adapters; see `lora_filter` to train only them.
     """
-    if rank < 1:
-        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank must be an int >= 1, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha must be > 0, got {alpha!r}")
     targets = tuple(dict.fromkeys(targets))
     unknown = [t for t in targets if t not in ALL_TARGETS]
     if unknown:

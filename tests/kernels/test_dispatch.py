@@ -48,3 +48,21 @@ def test_context_parallel_mesh_means_ring_without_a_cache_only():
     assert _choose("dense", mesh=mesh).backend == "xla"  # decode reads a cache: no ring
     no_sp = make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
     assert _choose(mesh=no_sp).backend == "xla"
+
+
+def test_segment_ids_take_blockwise_where_cudnn_would_run(monkeypatch):
+    from eqx_tx.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "gpu")  # as compiling for a GPU
+
+    def choose(**kw):
+        return select_attention(Q, K, jnp.bfloat16, cache="none", q_offset=0, mesh=None, **kw)
+
+    assert choose(compute=ComputeConfig()).backend == "cudnn"
+    for requested in ("auto", "cudnn"):
+        packed = choose(compute=ComputeConfig(attention=requested), segmented=True)
+        assert packed.backend == "blockwise" and "segment ids" in packed.reason
+    assert choose(compute=ComputeConfig(attention="xla"), segmented=True).backend == "xla"
+    with pytest.raises(ValueError, match="without a KV cache"):
+        select_attention(Q, K, jnp.bfloat16, cache="dense", q_offset=0, mesh=None, compute=ComputeConfig(),
+                         segmented=True)
