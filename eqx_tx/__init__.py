@@ -13,6 +13,7 @@ from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeCon
 from .sampling import SamplingParams
 from .saving import save
 from .sharding import RULES, make_mesh, shard
+from .text import Tokenizer, apply_chat_template, load_tokenizer
 from .training import OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "SamplingParams",
     "TrainConfig",
     "TrainState",
+    "Tokenizer",
+    "apply_chat_template",
     "apply_lora",
     "config_from_hf",
     "enable_console_logging",
@@ -38,6 +41,7 @@ __all__ = [
     "init_train_state",
     "load",
     "load_adapter",
+    "load_tokenizer",
     "logits",
     "make_mesh",
     "merge_lora",

@@ -1,8 +1,10 @@
 """Training data: jsonl records -> token sequences -> fixed-length, resumable batches.
 
 Records are JSON lines with `text` (tokenized with the checkpoint's
-`tokenizer.json`) or `input_ids` (token ids as they are). A document of `n` tokens
-gives `n - 1` (input, target) pairs. Rows of `seq_len` pairs are built in one of
+`tokenizer.json`), `input_ids` (token ids as they are) or `messages` (a chat,
+rendered with the checkpoint's chat template; the loss is on the assistant's tokens
+only). A document of `n` tokens gives `n - 1` (input, target) pairs, each weighted
+by whether its target is trained on. Rows of `seq_len` pairs are built in one of
 three ways (`Packing`):
 
 - `"segments"` (exact packing): whole documents fill rows greedily (best fit,
@@ -22,7 +24,8 @@ epoch, so resuming at a data position reproduces the same stream.
 import bisect
 import json
 import os
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -51,29 +54,60 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not ({"text", "input_ids"} & record.keys()):
-                raise ValueError(f"{path}:{n}: expected an object with 'text' or 'input_ids'")
+            if not isinstance(record, dict) or not ({"text", "input_ids", "messages"} & record.keys()):
+                raise ValueError(f"{path}:{n}: expected an object with 'text', 'input_ids' or 'messages'")
             records.append(record)
     if not records:
         raise ValueError(f"dataset {path} is empty")
     return records
 
 
-def tokenize(records: list[dict], tokenizer, eos_id: int | None) -> list[list[int]]:
-    """Token ids of each record (`text` encoded, with `eos_id` appended; or `input_ids`)."""
-    docs = []
-    for r in records:
+Document = list[int] | tuple[list[int], np.ndarray]  # ids, or ids and a 0/1 "train on this token" mask
+
+
+def tokenize(records: list[dict], tokenizer, eos_id: int | None) -> list[Document]:
+    """Token ids of each record: `text` encoded with `eos_id` appended, `input_ids` as
+    they are, or `messages` rendered by the chat template with the assistant's tokens
+    marked (`tokenizer`: an `eqx_tx.text.Tokenizer`)."""
+    docs: list[Document] = []
+    for n, r in enumerate(records):
         if "input_ids" in r:
             docs.append([int(t) for t in r["input_ids"]])
+        elif "messages" in r:
+            if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError(f"record {n} has 'messages' but the model has no chat template")
+            docs.append(tokenizer.chat_for_training(r["messages"]))
         else:
             if tokenizer is None:
                 raise ValueError("dataset has 'text' records but no tokenizer.json was found")
-            ids = tokenizer.encode(r["text"]).ids
-            docs.append(ids + ([eos_id] if eos_id is not None else []))
-    docs = [d for d in docs if len(d) >= 2]
+            docs.append(tokenizer.encode(r["text"]) + ([eos_id] if eos_id is not None else []))
+    docs = [d for d in docs if len(_Tokens.of(d)) >= 2]
     if not docs:
         raise ValueError("dataset has no sequence of at least 2 tokens")
     return docs
+
+
+class _Tokens(NamedTuple):
+    """Token ids and each token's weight as a target."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+
+    @classmethod
+    def of(cls, doc: Document) -> "_Tokens":
+        if isinstance(doc, tuple):
+            return cls(np.asarray(doc[0], np.int32), np.asarray(doc[1], np.float32))
+        return cls(np.asarray(doc, np.int32), np.ones(len(doc), np.float32))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def cut(self, start: int, stop: int) -> "_Tokens":
+        return _Tokens(self.ids[start:stop], self.weights[start:stop])
+
+
+def max_token_id(docs: Sequence[Document]) -> int:
+    return max(int(_Tokens.of(d).ids.max()) for d in docs)
 
 
 class Examples:
@@ -83,7 +117,7 @@ class Examples:
 
     def __init__(
         self,
-        docs: list[list[int]],
+        docs: Sequence[Document],
         seq_len: int,
         *,
         packing: Packing = "segments",
@@ -92,7 +126,8 @@ class Examples:
     ):
         """**Arguments:**
 
-        - `docs`: token ids of each document (at least 2 tokens each).
+        - `docs`: token ids of each document (at least 2 tokens each), or ids with a
+          0/1 mask of the tokens to train on (chats: the assistant's).
         - `seq_len`: pairs per row.
         - `packing`: how documents become rows (see the module docstring).
         - `pad_id`: the id written into padding.
@@ -104,7 +139,7 @@ class Examples:
         self.truncated = 0  # documents cut short ("pad")
         self.split = 0  # documents split over rows ("segments")
         self.segment_ids: np.ndarray | None = None
-        docs = [np.asarray(d, np.int32) for d in docs]
+        docs = [_Tokens.of(d) for d in docs]
         if packing == "segments":
             rows = self._segments(docs)
         elif packing == "pack":
@@ -117,11 +152,11 @@ class Examples:
 
     def _windows(self, docs):
         window = self.seq_len + 1
-        stream = np.concatenate(docs)
+        stream = _Tokens(np.concatenate([d.ids for d in docs]), np.concatenate([d.weights for d in docs]))
         n = len(stream) // window
         if n == 0:
             raise ValueError(f"dataset has {len(stream)} tokens, fewer than one window of seq_len+1 = {window}")
-        return [[w] for w in stream[: n * window].reshape(n, window)]
+        return [[stream.cut(i * window, (i + 1) * window)] for i in range(n)]
 
     def _one_per_row(self, docs, long_sequences):
         window = self.seq_len + 1
@@ -133,7 +168,7 @@ class Examples:
                 "use long_sequences='truncate' or packing"
             )
         self.truncated = len(too_long)
-        return [[d[:window]] for d in docs]
+        return [[d.cut(0, window)] for d in docs]
 
     def _segments(self, docs):
         """Best-fit decreasing: each piece goes to the fullest row it fits in."""
@@ -142,7 +177,7 @@ class Examples:
         for d in docs:
             if len(d) - 1 > L:
                 self.split += 1
-                pieces += [d[i: i + L + 1] for i in range(0, len(d) - 1, L)]
+                pieces += [d.cut(i, i + L + 1) for i in range(0, len(d) - 1, L)]
             else:
                 pieces.append(d)
         rows: list[list[int]] = []  # piece indices per row
@@ -171,8 +206,8 @@ class Examples:
             at = 0
             for s, piece in enumerate(pieces, 1):
                 n = len(piece) - 1
-                self.inputs[r, at:at + n], self.targets[r, at:at + n] = piece[:-1], piece[1:]
-                self.weights[r, at:at + n] = 1.0
+                self.inputs[r, at:at + n], self.targets[r, at:at + n] = piece.ids[:-1], piece.ids[1:]
+                self.weights[r, at:at + n] = piece.weights[1:]  # a pair is trained on as its target is
                 segments[r, at:at + n] = s
                 at += n
             self.lengths[r] = at

@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
@@ -26,6 +27,7 @@ from .models import CausalLM
 from .models.transformer import new_cache
 from .sampling import SamplerArrays, SamplingParams, sample_batch
 from .sharding import constrain, current_mesh, mesh_context
+from .text import Message, Tokenizer
 from .util import round_up
 
 STOP_REASONS = ("running", "stop", "length")
@@ -336,15 +338,42 @@ def generate(
 
 def generate_text(
     model: CausalLM,
-    tokenizer,
-    prompts: Sequence[str],
-    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    tokenizer: Tokenizer | tokenizers.Tokenizer,
+    prompts: Sequence[str] | Sequence[Sequence[Message]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    chat: bool = False,
+    chat_kwargs: dict | None = None,
     **kwargs,
 ) -> list[str]:
-    """`generate` on text: prompts encoded and outputs decoded with a `tokenizers.Tokenizer`
-    (e.g. `Tokenizer.from_file(checkpoint_dir + "/tokenizer.json")`); stop tokens are
-    dropped from the text."""
-    ids = [tokenizer.encode(p).ids for p in prompts]
+    """`generate` on text.
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `tokenizer`: the checkpoint's `eqx_tx.text.Tokenizer` (`eqx_tx.load_tokenizer`),
+      or a bare `tokenizers.Tokenizer`.
+    - `prompts`: texts; with `chat=True`, chats (lists of `{"role", "content"}`
+      messages) or texts (each one user message), rendered with the chat template
+      and an assistant turn opened.
+    - `params`: default: the checkpoint's `generation_config.json` defaults (see
+      `eqx_tx.text.sampling_defaults`), else greedy.
+    - `chat_kwargs`: extra chat-template variables (e.g. `{"enable_thinking": False}`).
+    - `kwargs`: as `generate`.
+
+    **Returns:** the completions' text; the stop token is dropped.
+    """
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer(tokenizer)
+    if params is None:
+        params = tokenizer.sampling_defaults() or SamplingParams()
+    if chat:
+        chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, **(chat_kwargs or {})) for c in chats]
+    else:
+        if not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be strings (pass chat=True for lists of messages)")
+        ids = [tokenizer.encode(p) for p in prompts]  # type: ignore[arg-type]
     results = generate(model, ids, params, **kwargs)
     texts = []
     for r in results:

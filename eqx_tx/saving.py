@@ -18,8 +18,8 @@ from .layers.lora import has_lora
 from .models import CausalLM
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json")
 
 
 def tokenizer_files(directory: str | os.PathLike | None) -> dict[str, str]:

@@ -25,7 +25,7 @@ LEVELS = [
     ["eqx_tx.models", "eqx_tx.presets"],
     # running and storing one model
     ["eqx_tx.hf_params", "eqx_tx.forward", "eqx_tx.loss", "eqx_tx.sampling", "eqx_tx.loading", "eqx_tx.saving",
-     "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo"],
+     "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.chat", "eqx_tx.text"],
     # training and generation, their checkpoints
     ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.checkpoint"],
     # compile-time analysis of the jitted workflows

@@ -4,7 +4,10 @@ With no arguments: samples from `runs/tiny/final`, the model the default
 `python tools/train.py` run writes.
 
     python tools/sample.py
-    python tools/sample.py --model Qwen/Qwen3-0.6B --prompt "Hello" --temperature 0.7 --tp 8
+    python tools/sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Hello" --tp 8
+
+Sampling settings default to the checkpoint's generation_config.json (as Hugging Face
+uses them); each flag given overrides its setting, and the run prints what it used.
 """
 
 import dataclasses
@@ -29,19 +32,23 @@ class Args:
     prompt: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(default_factory=list)
     """A prompt; repeat the flag for several (sampled as one batch). Default: "Once upon a time,"."""
     prompts_file: str | None = None
-    """A file of prompts: one per line, or jsonl with a 'prompt' or 'text' field (overrides --prompt)."""
-    max_new_tokens: int = 64
-    """Stop each sample after this many new tokens."""
-    temperature: float = 0.8
-    """0 is greedy; otherwise logits are divided by it."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0: all)."""
-    top_p: float = 0.95
-    """Keep the smallest set of most likely tokens whose probability reaches p (1.0: all)."""
+    """A file of prompts: one per line, or jsonl with a 'prompt' or 'text' field, or a 'messages' chat
+    (overrides --prompt)."""
+    chat: bool = False
+    """Render each prompt as a user message with the checkpoint's chat template ('messages' records always are)."""
+    max_new_tokens: int | None = None
+    """Stop each sample after this many new tokens (default: generation_config.json's, else 64)."""
+    temperature: float | None = None
+    """0 is greedy; otherwise logits are divided by it (default: generation_config.json's, else 0.8)."""
+    top_k: int | None = None
+    """Keep the k most likely tokens, 0: all (default: generation_config.json's, else 0)."""
+    top_p: float | None = None
+    """Keep the smallest set of most likely tokens whose probability reaches p, 1.0: all (default:
+    generation_config.json's, else 0.95)."""
     seed: int = 0
     """Seed of the first prompt; prompt i uses seed + i."""
     stop_token_ids: tuple[int, ...] | None = None
-    """Stop tokens (default: the model's eos_token_id)."""
+    """Stop tokens (default: generation_config.json's eos_token_id, else the model's)."""
     tp: int = 1
     """Tensor-parallel size."""
     prefill_chunk_size: int | None = None
@@ -64,7 +71,30 @@ class Args:
     groups and process 0 prints the results in the original order."""
 
 
-def read_prompts(args: Args) -> list[str]:
+# Used where neither a flag nor the checkpoint's generation_config.json sets a value.
+FALLBACK = dict(max_new_tokens=64, temperature=0.8, top_k=0, top_p=0.95)
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_token_ids")
+
+
+def sampling_settings(args: Args, defaults) -> tuple[dict, str]:
+    """Each sampling setting from its flag, else the checkpoint's `defaults` (a
+    `SamplingParams` or None), else `FALLBACK`; and a line saying where each came from."""
+    settings, origin = {}, {}
+    for name in SAMPLING_FLAGS:
+        if getattr(args, name) is not None:
+            settings[name], origin[name] = getattr(args, name), "flag"
+        elif defaults is not None and (name != "stop_token_ids" or defaults.stop_token_ids is not None):
+            settings[name], origin[name] = getattr(defaults, name), "generation_config.json"
+        elif name in FALLBACK:
+            settings[name], origin[name] = FALLBACK[name], "default"
+        else:
+            settings[name], origin[name] = None, "model eos"
+    line = "sampling: " + ", ".join(f"{k}={settings[k]} ({origin[k]})" for k in SAMPLING_FLAGS)
+    return settings, line
+
+
+def read_prompts(args: Args) -> list[str | list[dict]]:
+    """Texts, or chats (lists of messages) from 'messages' records."""
     if args.prompts_file is None:
         return list(args.prompt) or ["Once upon a time,"]
     if not os.path.isfile(args.prompts_file):
@@ -76,10 +106,13 @@ def read_prompts(args: Args) -> list[str]:
             if not line.strip():
                 continue
             if args.prompts_file.endswith(".jsonl"):
-                record = json.loads(line)
-                if "prompt" not in record and "text" not in record:
-                    raise ValueError(f"{args.prompts_file}:{n}: expected a 'prompt' or 'text' field")
-                line = record.get("prompt", record.get("text"))
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.prompts_file}:{n}: invalid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not ({"prompt", "text", "messages"} & record.keys()):
+                    raise ValueError(f"{args.prompts_file}:{n}: expected a 'prompt', 'text' or 'messages' field")
+                line = record["messages"] if "messages" in record else record.get("prompt", record.get("text"))
             prompts.append(line)
     if not prompts:
         raise ValueError(f"prompts file {args.prompts_file} has no prompts")
@@ -97,7 +130,6 @@ def main(args: Args) -> None:
     initialize(args.distributed)  # before anything touches a device
     import jax
     import jax.numpy as jnp
-    from tokenizers import Tokenizer
 
     import eqx_tx
     from eqx_tx.generation import generate
@@ -108,27 +140,28 @@ def main(args: Args) -> None:
 
     prompts = read_prompts(args)
     directory = resolve_source(args.model)
-    tokenizer_path = os.path.join(directory, "tokenizer.json")
-    if not os.path.isfile(tokenizer_path):
-        raise FileNotFoundError(f"{directory} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer = eqx_tx.load_tokenizer(directory)
+    settings, used = sampling_settings(args, tokenizer.sampling_defaults())
     dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
     mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 or jax.process_count() > 1 else None
     main_process = is_main_process()
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
-    params = [
-        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed + i, stop_token_ids=args.stop_token_ids)
-        for i in range(len(prompts))
-    ]
-    ids = [tokenizer.encode(p).ids for p in prompts]
+    params = [SamplingParams(seed=args.seed + i, **settings) for i in range(len(prompts))]
+    if main_process:
+        print(used, file=sys.stderr)
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p,
+                                         add_generation_prompt=True)
+           if args.chat or not isinstance(p, str) else tokenizer.encode(p)
+           for p in prompts]
+    shown_prompts = [p if isinstance(p, str) else tokenizer.decode(i, skip_special_tokens=False)
+                     for p, i in zip(prompts, ids)]
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
-    sequences = [p for p in prompts for _ in range(args.n)]  # generate's order: prompt-major
+    sequences = [p for p in shown_prompts for _ in range(args.n)]  # generate's order: prompt-major
     labels = [f"{i // args.n}" if args.n == 1 else f"{i // args.n}.{i % args.n}" for i in range(len(sequences))]
     produced = [[] for _ in sequences]
     shown = ["" for _ in sequences]
-    stops = set(args.stop_token_ids or model.config.eos_token_ids)
+    stops = set(settings["stop_token_ids"] or model.config.eos_token_ids)
 
     first_update = []
 
@@ -145,7 +178,7 @@ def main(args: Args) -> None:
         sys.stdout.flush()
 
     if len(sequences) == 1 and main_process:
-        sys.stdout.write(prompts[0])
+        sys.stdout.write(sequences[0])
     start = time.perf_counter()
     results = generate(
         model, ids, params,

@@ -34,7 +34,8 @@ class Args:
     model: str = "tiny"
     """A preset name (tiny, qwen3-4b, ...: random init), a local HF directory, or a hub repo id."""
     data: str | None = None
-    """jsonl with a 'text' or 'input_ids' field per line (default: the shipped tiny stories)."""
+    """jsonl with a 'text', 'input_ids' or 'messages' (a chat: loss on the assistant's tokens) field per line
+    (default: the shipped tiny stories)."""
     output_dir: str = "runs/tiny"
     """Checkpoints go to OUTPUT_DIR/checkpoint, the final HF model to OUTPUT_DIR/final."""
     seq_len: int = 128
@@ -126,11 +127,11 @@ def _source(args: Args):
 
 
 def _examples(args: Args, config, tokenizer, main_process: bool):
-    from eqx_tx.data import TINY_STORIES, Examples, read_jsonl, tokenize
+    from eqx_tx.data import TINY_STORIES, Examples, max_token_id, read_jsonl, tokenize
 
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     docs = tokenize(read_jsonl(args.data or TINY_STORIES), tokenizer, eos)
-    if max(max(d) for d in docs) >= config.vocab_size:
+    if max_token_id(docs) >= config.vocab_size:
         raise ValueError(f"dataset has token ids >= the model's vocab_size {config.vocab_size}")
     examples = Examples(docs, args.seq_len, packing=args.packing, pad_id=eos or 0, long_sequences=args.long_sequences)
     if examples.truncated and main_process:
@@ -235,7 +236,7 @@ def main(args: Args) -> None:
 
     initialize(args.distributed)  # before anything touches a device
     import jax
-    from tokenizers import Tokenizer
+    from eqx_tx.text import Tokenizer
 
     import eqx_tx
     from eqx_tx.checkpoint import read_metadata, restore_checkpoint
@@ -251,7 +252,10 @@ def main(args: Args) -> None:
         raise ValueError(
             f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}"
         )
-    tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path is not None else None
+    if source_dir is not None and tokenizer_path is not None:
+        tokenizer = Tokenizer.from_directory(source_dir)  # with its chat template, for 'messages' records
+    else:
+        tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path is not None else None
     examples = _examples(args, config, tokenizer, main_process)
     model = _model(args, config, source_dir, mesh)
     with jax.set_mesh(mesh):
