@@ -139,18 +139,18 @@ class Examples:
         self.truncated = 0  # documents cut short ("pad")
         self.split = 0  # documents split over rows ("segments")
         self.segment_ids: np.ndarray | None = None
-        docs = [_Tokens.of(d) for d in docs]
+        pieces = [_Tokens.of(d) for d in docs]
         if packing == "segments":
-            rows = self._segments(docs)
+            rows = self._segments(pieces)
         elif packing == "pack":
-            rows = self._windows(docs)
+            rows = self._windows(pieces)
         elif packing == "pad":
-            rows = self._one_per_row(docs, long_sequences)
+            rows = self._one_per_row(pieces, long_sequences)
         else:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
         self._fill(rows, pad_id, segmented=packing == "segments")
 
-    def _windows(self, docs):
+    def _windows(self, docs: list[_Tokens]) -> list[list[_Tokens]]:
         window = self.seq_len + 1
         stream = _Tokens(np.concatenate([d.ids for d in docs]), np.concatenate([d.weights for d in docs]))
         n = len(stream) // window
@@ -158,7 +158,7 @@ class Examples:
             raise ValueError(f"dataset has {len(stream)} tokens, fewer than one window of seq_len+1 = {window}")
         return [[stream.cut(i * window, (i + 1) * window)] for i in range(n)]
 
-    def _one_per_row(self, docs, long_sequences):
+    def _one_per_row(self, docs: list[_Tokens], long_sequences: LongSequences) -> list[list[_Tokens]]:
         window = self.seq_len + 1
         too_long = [i for i, d in enumerate(docs) if len(d) > window]
         if too_long and long_sequences == "error":
@@ -170,7 +170,7 @@ class Examples:
         self.truncated = len(too_long)
         return [[d.cut(0, window)] for d in docs]
 
-    def _segments(self, docs):
+    def _segments(self, docs: list[_Tokens]) -> list[list[_Tokens]]:
         """Best-fit decreasing: each piece goes to the fullest row it fits in."""
         L = self.seq_len
         pieces = []
@@ -195,7 +195,7 @@ class Examples:
                 bisect.insort(free, (room - need, r))
         return [[pieces[i] for i in sorted(row)] for row in rows]
 
-    def _fill(self, rows, pad_id: int, *, segmented: bool):
+    def _fill(self, rows: list[list[_Tokens]], pad_id: int, *, segmented: bool) -> None:
         N, L = len(rows), self.seq_len
         self.inputs = np.full((N, L), pad_id, np.int32)
         self.targets = np.full((N, L), pad_id, np.int32)

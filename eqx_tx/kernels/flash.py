@@ -96,15 +96,18 @@ def _block_bounds(q_pos, k_pos, bq, bk):
 
 
 def _segment_bounds(seg, block):
-    """Per block the smallest and largest non-zero segment id over the batch (an
-    all-padding block gets an empty range)."""
+    """Per row and block the smallest and largest non-zero segment id, `[B, n]` each
+    (an all-padding block gets an empty range). Rows are kept apart: their ids are
+    unrelated."""
     s = seg.reshape(seg.shape[0], -1, block)
-    return (jnp.min(jnp.where(s > 0, s, _NO_SEGMENT), axis=(0, 2)), jnp.max(jnp.where(s > 0, s, -1), axis=(0, 2)))
+    return jnp.min(jnp.where(s > 0, s, _NO_SEGMENT), axis=2), jnp.max(jnp.where(s > 0, s, -1), axis=2)
 
 
-def _segments_overlap(a, b):
-    """Whether the segment ranges `a = (lo, hi)` and `b` (broadcasting) share an id."""
-    return (a[1] >= b[0]) & (a[0] <= b[1])
+def _segments_overlap(blocks, one, i):
+    """`[n]`: whether each of `blocks`' ranges shares a segment id with block `i` of
+    `one`, in any row (both `(lo [B, n], hi [B, n])`)."""
+    lo, hi = one[0][:, i, None], one[1][:, i, None]
+    return jnp.any((blocks[1] >= lo) & (blocks[0] <= hi), axis=0)
 
 
 def _span(needed):
@@ -133,8 +136,8 @@ def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling, q_seg=None,
     n_q = Tp // bq
     q_max, k_min = _block_bounds(q_pos, k_pos, bq, bk)
     needed_kv = k_min < jnp.max(kv_lengths)
-    if static.segmented:
-        q_ranges, k_ranges = _segment_bounds(q_seg, bq), _segment_bounds(k_seg, bk)
+    q_ranges = _segment_bounds(q_seg, bq) if static.segmented else None
+    k_ranges = _segment_bounds(k_seg, bk) if static.segmented else None
 
     def q_block(i, carry):
         out, lse = carry
@@ -165,8 +168,8 @@ def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling, q_seg=None,
         m0 = jnp.full((B, Hkv, G, bq), -jnp.inf, jnp.float32)
         l0 = jnp.zeros((B, Hkv, G, bq), jnp.float32)
         visible = needed_kv & (k_min <= q_max[i]) if static.causal else needed_kv
-        if static.segmented:
-            visible = visible & _segments_overlap(k_ranges, (q_ranges[0][i], q_ranges[1][i]))
+        if q_ranges is not None and k_ranges is not None:
+            visible = visible & _segments_overlap(k_ranges, q_ranges, i)
         lo, hi = _span(visible)
         o, m, l = jax.lax.fori_loop(lo, hi, kv_block, (o0, m0, l0))
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
@@ -195,8 +198,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: 
     kv_max = jnp.max(kv_lengths)
     # D_i = rowsum(dO * O) - dlse_i: the softmax-Jacobian term; dlse enters as p * dlse.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse
-    if static.segmented:
-        q_ranges, k_ranges = _segment_bounds(q_seg, bq), _segment_bounds(k_seg, bk)
+    q_ranges = _segment_bounds(q_seg, bq) if static.segmented else None
+    k_ranges = _segment_bounds(k_seg, bk) if static.segmented else None
 
     def kv_block(j, carry):
         dq, dk, dv = carry
@@ -234,8 +237,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, kv_lengths, q_pos, k_pos, static: 
         needed = jnp.broadcast_to(k_min[j] < kv_max, (n_q,))
         if static.causal:
             needed = needed & (q_max >= k_min[j])
-        if static.segmented:
-            needed = needed & _segments_overlap(q_ranges, (k_ranges[0][j], k_ranges[1][j]))
+        if q_ranges is not None and k_ranges is not None:
+            needed = needed & _segments_overlap(q_ranges, k_ranges, j)
         lo, hi = _span(needed)
         zeros = jnp.zeros((B, bk, Hkv, K), jnp.float32)
         dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, q_block, (dq, zeros, zeros))

@@ -133,3 +133,24 @@ def test_dispatch_errors_and_auto():
         flash_attention(q[..., :3, :], k, v)
     o_auto = dot_product_attention(q, k, v)
     np.testing.assert_allclose(o_auto, xla_attention(q, k, v)[0], atol=1e-6)
+
+
+def test_packed_blocks_visit_only_the_span_of_their_documents():
+    from eqx_tx.kernels.flash import _segment_bounds, _segments_overlap, _span
+
+    rng = np.random.default_rng(0)
+    B, T, b = 3, 64, 4
+    seg = np.zeros((B, T), np.int32)
+    for r in range(B):  # documents of random lengths, then padding
+        at, s = 0, 1
+        while at < T - 8:
+            n = int(rng.integers(1, 12))
+            seg[r, at:at + n], at, s = s, at + n, s + 1
+    bounds = _segment_bounds(jnp.asarray(seg), b)
+    blocks = seg.reshape(B, -1, b)
+    for i in range(T // b):
+        # Brute force: key block j is needed if, in some row, it holds a document of query block i.
+        needed = [any(set(blocks[r, i]) & set(blocks[r, j]) - {0} for r in range(B)) for j in range(T // b)]
+        lo, hi = (int(x) for x in _span(_segments_overlap(bounds, bounds, i)))
+        found = np.flatnonzero(needed)
+        assert (lo, hi) == ((found[0], found[-1] + 1) if len(found) else (0, 0)), i
