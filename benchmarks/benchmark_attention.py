@@ -12,6 +12,7 @@
    training step (forward+backward) in real tokens per second.
 
     python benchmarks/benchmark_attention.py
+    python benchmarks/benchmark_attention.py --skip-memory --skip-speed --repeats 3   # packed documents only
 """
 
 import dataclasses
@@ -43,6 +44,7 @@ class Args:
     kv_heads: int = 2
     head_dim: int = 64
     repeats: int = 2
+    skip_memory: bool = False
     skip_speed: bool = False
     packed_row: int = 4096
     """Row length of the packed-documents comparison."""
@@ -150,13 +152,14 @@ def packed_train_step(args: Args) -> dict[str, float]:
 
 
 def main(args: Args) -> None:
-    print("Whole-model forward+backward temp memory (compiled, CPU, B=1):")
-    print("| implementation | " + " | ".join(f"T={t}" for t in args.memory_seq_lens) + " | growth |")
-    print("|---" * (len(args.memory_seq_lens) + 2) + "|")
-    for impl in ("blockwise", "xla"):
-        temps = [model_temp_bytes(impl, t) for t in args.memory_seq_lens]
-        cells = " | ".join(f"{b / 2**20:,.0f} MiB" for b in temps)
-        print(f"| {impl} | {cells} | {temps[-1] / temps[0]:.1f}x |")
+    if not args.skip_memory:
+        print("Whole-model forward+backward temp memory (compiled, CPU, B=1):")
+        print("| implementation | " + " | ".join(f"T={t}" for t in args.memory_seq_lens) + " | growth |")
+        print("|---" * (len(args.memory_seq_lens) + 2) + "|")
+        for impl in ("blockwise", "xla"):
+            temps = [model_temp_bytes(impl, t) for t in args.memory_seq_lens]
+            cells = " | ".join(f"{b / 2**20:,.0f} MiB" for b in temps)
+            print(f"| {impl} | {cells} | {temps[-1] / temps[0]:.1f}x |")
     if not args.skip_packed:
         _, packed, padded = _layouts(args)
         tokens = sum(args.packed_docs)

@@ -40,11 +40,16 @@ TINY_STORIES = os.path.join(DATA_DIR, "tiny_stories.jsonl")
 TINY_TOKENIZER = os.path.join(DATA_DIR, "tiny_tokenizer.json")
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """All records of a jsonl file, with errors naming the file and line."""
+RECORD_FIELDS = ("text", "input_ids", "messages")
+
+
+def read_jsonl(path: str | os.PathLike, *, fields: Sequence[str] = RECORD_FIELDS, what: str = "dataset") -> list[dict]:
+    """All records of a jsonl file, each an object with at least one of `fields`, with
+    errors naming the file (`what`: how to call it) and line."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset {path} does not exist")
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    names = ", ".join(f"'{f}'" for f in fields[:-1]) + f" or '{fields[-1]}'" if len(fields) > 1 else f"'{fields[0]}'"
     records = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -54,11 +59,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not ({"text", "input_ids", "messages"} & record.keys()):
-                raise ValueError(f"{path}:{n}: expected an object with 'text', 'input_ids' or 'messages'")
+            if not isinstance(record, dict) or not (set(fields) & record.keys()):
+                raise ValueError(f"{path}:{n}: expected an object with {names}")
             records.append(record)
     if not records:
-        raise ValueError(f"dataset {path} is empty")
+        raise ValueError(f"{what} {path} is empty")
     return records
 
 

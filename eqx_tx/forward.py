@@ -47,6 +47,18 @@ def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
+def lengths_and_segments(attention_mask, segment_ids, seq_len: int, batch: int):
+    """The per-sequence lengths (from the right-padded mask, else the non-zero segment
+    ids, else full) and the checked int32 segment ids (or `None`)."""
+    if attention_mask is None and segment_ids is not None:
+        attention_mask = jnp.asarray(segment_ids) != 0
+    lengths = lengths_from_mask(attention_mask, seq_len, batch)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        check_segment_ids(segment_ids, lengths)
+    return lengths, segment_ids
+
+
 def check_segment_ids(segment_ids, lengths) -> None:
     """Raise unless each row's ids are positive and non-decreasing up to its length and
     0 after it (checked only when concrete and on this host)."""
@@ -99,12 +111,7 @@ def logits(
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     B, T = input_ids.shape
-    if attention_mask is None and segment_ids is not None:
-        attention_mask = jnp.asarray(segment_ids) != 0
-    lengths = lengths_from_mask(attention_mask, T, B)
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids, jnp.int32)
-        check_segment_ids(segment_ids, lengths)
+    lengths, segment_ids = lengths_and_segments(attention_mask, segment_ids, T, B)
     with mesh_context(model):
         return _logits(model, input_ids, lengths, compute, segment_ids)
 

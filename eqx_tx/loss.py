@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .compute import ComputeConfig
-from .forward import check_segment_ids, lengths_from_mask, positions_for, segment_positions
+from .forward import lengths_and_segments, positions_for, segment_positions
 from .kernels.ring import to_context_layout
 from .layers.attention import AttentionMask
 from .layers.moe import RouterStats
@@ -224,12 +224,7 @@ def token_logprobs(
     meaningless; weight them by zero).
     """
     B, T = input_ids.shape
-    if attention_mask is None and segment_ids is not None:
-        attention_mask = jnp.asarray(segment_ids) != 0
-    lengths = lengths_from_mask(attention_mask, T, B)
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids, jnp.int32)
-        check_segment_ids(segment_ids, lengths)
+    lengths, segment_ids = lengths_and_segments(attention_mask, segment_ids, T, B)
     return sequence_logprobs(model, input_ids, target_ids, lengths, compute=compute, chunk_size=chunk_size,
                              segment_ids=segment_ids)[0]
 

@@ -1,6 +1,5 @@
 """Chat templates and generation defaults against Hugging Face transformers."""
 
-import dataclasses
 import json
 import os
 
@@ -13,7 +12,6 @@ from transformers import AutoTokenizer
 import eqx_tx
 from eqx_tx.data import Examples, tokenize
 from eqx_tx.generation import generate
-from eqx_tx.presets import preset
 from eqx_tx.saving import tokenizer_files
 from eqx_tx.data import TINY_TOKENIZER
 from eqx_tx.text import sampling_defaults
@@ -138,7 +136,9 @@ def tiny_chat_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     text_files = _directory(root, "qwen3", {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
                                             "eos_token_id": 2, "max_new_tokens": 9})
-    config = dataclasses.replace(preset("tiny"), vocab_size=528)  # room for the added special tokens
+    config = eqx_tx.Qwen3Config(vocab_size=528, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                                eos_token_id=2)  # with room for the added special tokens
     model = eqx_tx.init_model(config, key=jax.random.key(0))
     eqx_tx.save(model, root / "model", extra_files=tokenizer_files(text_files))
     return str(root / "model")

@@ -53,7 +53,7 @@ def test_bad_prompt_inputs(tiny_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="prompts file /nope does not exist"):
         sample.main(sample.Args(model=tiny_dir, prompts_file="/nope"))
     (tmp_path / "p.jsonl").write_text('{"foo": 1}\n')
-    with pytest.raises(ValueError, match="expected a 'prompt', 'text' or 'messages' field"):
+    with pytest.raises(ValueError, match="expected an object with 'prompt', 'text' or 'messages'"):
         sample.main(sample.Args(model=tiny_dir, prompts_file=str(tmp_path / "p.jsonl")))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings 2048"):
         sample.main(sample.Args(model=tiny_dir, max_new_tokens=5000))

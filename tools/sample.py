@@ -11,7 +11,6 @@ uses them); each flag given overrides its setting, and the run prints what it us
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -97,23 +96,15 @@ def read_prompts(args: Args) -> list[str | list[dict]]:
     """Texts, or chats (lists of messages) from 'messages' records."""
     if args.prompts_file is None:
         return list(args.prompt) or ["Once upon a time,"]
+    from eqx_tx.data import read_jsonl
+
+    if args.prompts_file.endswith(".jsonl"):
+        records = read_jsonl(args.prompts_file, fields=("prompt", "text", "messages"), what="prompts file")
+        return [r["messages"] if "messages" in r else r.get("prompt", r.get("text")) for r in records]
     if not os.path.isfile(args.prompts_file):
         raise FileNotFoundError(f"prompts file {args.prompts_file} does not exist")
-    prompts = []
     with open(args.prompts_file) as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if args.prompts_file.endswith(".jsonl"):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{args.prompts_file}:{n}: invalid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not ({"prompt", "text", "messages"} & record.keys()):
-                    raise ValueError(f"{args.prompts_file}:{n}: expected a 'prompt', 'text' or 'messages' field")
-                line = record["messages"] if "messages" in record else record.get("prompt", record.get("text"))
-            prompts.append(line)
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         raise ValueError(f"prompts file {args.prompts_file} has no prompts")
     return prompts

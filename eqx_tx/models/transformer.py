@@ -151,14 +151,7 @@ class CausalLM(eqx.Module):
         mesh = current_mesh()
         x = self.model.embed_tokens(input_ids)
         rope_positions = positions if rope_positions is None else rope_positions
-        seq_len = None
-        if c.rope.depends_on_length:  # the longest real sequence of this call
-            real = jnp.ones(positions.shape, bool)
-            if mask.kv_lengths is not None and not isinstance(cache, SharedPrefixCache):
-                real = positions < mask.kv_lengths[:, None]
-            if mask.segment_ids is not None:
-                real = real & (mask.segment_ids != 0)
-            seq_len = jnp.max(jnp.where(real, rope_positions, 0)) + 1
+        seq_len = _longest_sequence(positions, rope_positions, mask, cache) if c.rope.depends_on_length else None
         cos, sin = rope_cos_sin(rope_positions, c.head_dim, c.rope, seq_len)
         stats = RouterStats.zeros(c.num_experts_per_tok, c.num_experts) if c.num_experts else None
         out = run_stack(
@@ -168,6 +161,17 @@ class CausalLM(eqx.Module):
         # The LM head reads whole sequences (gathered again under sequence parallelism).
         hidden = constrain(self.model.norm(out.hidden), ("batch", "seq", "act_embed"))
         return ModelOutput(hidden, out.cache, out.router_stats)
+
+
+def _longest_sequence(positions, rope_positions, mask: AttentionMask, cache: Cache | None) -> Int[Array, ""]:
+    """`max(position) + 1` over this call's real tokens (not padding): the sequence
+    length that length-dependent RoPE scaling (dynamic, longrope) uses, as HF does."""
+    real = jnp.ones(positions.shape, bool)
+    if mask.kv_lengths is not None and not isinstance(cache, SharedPrefixCache):
+        real = positions < mask.kv_lengths[:, None]  # (a shared-prefix mask covers the completion only)
+    if mask.segment_ids is not None:
+        real = real & (mask.segment_ids != 0)
+    return jnp.max(jnp.where(real, rope_positions, 0)) + 1
 
 
 def new_cache(
