@@ -108,6 +108,11 @@ def test_model_logits_past_the_original_length_equal_hf(scaled_checkpoints, name
                                                                                         block_kv=8)))
         ref = hf_logits(path, ids, mask)
         np.testing.assert_allclose(ours[mask == 1], ref[mask == 1], atol=1e-4)
+    # The training path: chunked LM head, as the loss sees it.
+    targets = np.roll(ids, -1, axis=1)
+    logp = np.asarray(eqx_tx.token_logprobs(model, ids, targets, attention_mask=mask, chunk_size=16))
+    ref_logp = np.take_along_axis(torch.log_softmax(torch.as_tensor(ref), -1).numpy(), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logp[mask == 1], ref_logp[mask == 1], atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["yarn", "dynamic", "longrope"])
