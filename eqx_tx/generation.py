@@ -367,13 +367,9 @@ def generate_text(
         tokenizer = Tokenizer(tokenizer)
     if params is None:
         params = tokenizer.sampling_defaults() or SamplingParams()
-    if chat:
-        chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-        ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, **(chat_kwargs or {})) for c in chats]
-    else:
-        if not all(isinstance(p, str) for p in prompts):
-            raise TypeError("prompts must be strings (pass chat=True for lists of messages)")
-        ids = [tokenizer.encode(p) for p in prompts]  # type: ignore[arg-type]
+    if not chat and not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompts must be strings (pass chat=True for lists of messages)")
+    ids = [tokenizer.encode_prompt(p, chat=chat, **(chat_kwargs or {})) for p in prompts]
     results = generate(model, ids, params, **kwargs)
     texts = []
     for r in results:

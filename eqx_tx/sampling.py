@@ -4,7 +4,7 @@ Top-k and top-p never sort the vocabulary (`filter_logits_batch`): `lax.top_k`
 takes a window of the largest logits (at least the largest requested `top_k`); the
 top-k threshold and, almost always, the top-p threshold are found inside it, and
 only when the window's probability mass falls short of `top_p` is the threshold
-found by bisection over the float values (32 masked sums over the vocabulary). The
+found by bisection over the float values (33 masked sums over the vocabulary). The
 kept set equals the sort-based `filter_logits` (the reference the tests compare with).
 """
 
@@ -164,11 +164,13 @@ def filter_logits_batch(
     use_k = top_k > 0
     kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=-1)  # [B, 1]
     kept_k = ~use_k[:, None] | (x >= kth)
-    # Probabilities over the top-k set, the candidates' in descending order.
+    # Probabilities over the top-k set (normalised by `total`), the candidates' in descending order.
     top = values[:, :1]
-    probs = jnp.where(kept_k, jnp.exp(x - top), 0.0)
-    total = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / total
+
+    def unnormalised():
+        return jnp.where(kept_k, jnp.exp(x - top), 0.0)
+
+    total = jnp.sum(unnormalised(), axis=-1, keepdims=True)
     cand = jnp.where(~use_k[:, None] | (values >= kth), jnp.exp(values - top), 0.0) / total
     before = jnp.cumsum(cand, axis=-1) - cand  # the mass above each candidate
     kept_c = before < top_p[:, None]
@@ -178,7 +180,7 @@ def filter_logits_batch(
     beyond = jnp.all(kept_c, axis=-1) & (jnp.sum(kept_k, axis=-1) > K) & (top_p < 1.0)
     threshold = jax.lax.cond(
         jnp.any(beyond),
-        lambda t: jnp.where(beyond, _top_p_by_bisection(x, probs, top_p, values[:, -1]), t),
+        lambda t: jnp.where(beyond, _top_p_by_bisection(x, unnormalised() / total, top_p, values[:, -1]), t),
         lambda t: t,
         threshold,
     )

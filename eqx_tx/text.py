@@ -144,6 +144,15 @@ class Tokenizer:
                                 **template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    def encode_prompt(self, prompt: str | Sequence[Message], *, chat: bool = False, **template_kwargs) -> list[int]:
+        """Token ids of a prompt to generate from: a chat (a list of messages, or with
+        `chat=True` a text as one user message) rendered with an assistant turn opened,
+        else the text encoded."""
+        if isinstance(prompt, str) and not chat:
+            return self.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+
     def chat_for_training(self, messages: Sequence[Message], **template_kwargs) -> tuple[list[int], np.ndarray]:
         """Token ids of a whole chat and a 0/1 mask of the tokens written by the assistant.
 

@@ -140,10 +140,7 @@ def main(args: Args) -> None:
     params = [SamplingParams(seed=args.seed + i, **settings) for i in range(len(prompts))]
     if main_process:
         print(used, file=sys.stderr)
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p,
-                                         add_generation_prompt=True)
-           if args.chat or not isinstance(p, str) else tokenizer.encode(p)
-           for p in prompts]
+    ids = [tokenizer.encode_prompt(p, chat=args.chat) for p in prompts]  # 'messages' records are chats
     shown_prompts = [p if isinstance(p, str) else tokenizer.decode(i, skip_special_tokens=False)
                      for p, i in zip(prompts, ids)]
     if args.n < 1:
