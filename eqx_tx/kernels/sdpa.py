@@ -40,6 +40,8 @@ def xla_attention(
     """
     B, T, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
+    if T == 1 and q_segment_ids is None:
+        return _single_query_attention(q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal, scale=scale)
     qg = q.reshape(B, T, Hkv, H // Hkv, K)
     s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32)
     s = s * (K**-0.5 if scale is None else scale)
@@ -57,6 +59,29 @@ def xla_attention(
     p = jnp.where(visible[:, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     o = jnp.einsum("bhgqs,bshk->bqhgk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, K).astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(B, T, H)
+
+
+def _single_query_attention(q, k, v, *, kv_lengths, q_offset, causal: bool, scale: float | None):
+    """`xla_attention` for one query per sequence (decode), as multiply-reduces.
+
+    A batched `dot` over `[batch, kv_heads]` makes XLA transpose each layer's cached
+    keys/values into a dot layout on every step (a strided copy of the whole layer
+    cache); reductions read the cache in place, once, in its stored layout.
+    """
+    B, _, H, K = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(B, 1, Hkv, H // Hkv, K).astype(jnp.float32)
+    s = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B, S, Hkv, G]
+    s = s * (K**-0.5 if scale is None else scale)
+    k_pos = jnp.arange(S)
+    visible = k_pos[None, :] < (jnp.full((B,), S) if kv_lengths is None else kv_lengths)[:, None]
+    if causal:
+        visible = visible & (k_pos[None, :] <= jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None])
+    s = jnp.where(visible[:, :, None, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=1)  # [B, Hkv, G]
+    p = jnp.where(visible[:, :, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None]), 0.0)
+    o = jnp.sum(p[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B, Hkv, G, K]
+    return o.reshape(B, 1, H, K).astype(q.dtype), lse.reshape(B, 1, H)
 
 
 def cudnn_attention(

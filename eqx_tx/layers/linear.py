@@ -1,5 +1,6 @@
 """Dense projections and token embeddings."""
 
+import math
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -62,11 +63,14 @@ class Linear(HasAxes):
         """
         n = self.in_ndim
         w = self.weight
-        y = jax.lax.dot_general(
-            x.astype(w.dtype),
-            w,
-            ((tuple(range(x.ndim - n, x.ndim)), tuple(range(w.ndim - n, w.ndim))), ((), ())),
-        )
+        out_shape, in_shape = w.shape[: w.ndim - n], w.shape[w.ndim - n :]
+        # One 2-D matmul `x · Wᵀ` over the flattened features: the row-major reshapes
+        # are free, and XLA then reads the weight in place (a multi-axis contraction
+        # made XLA:CPU transpose-copy the weight on every call).
+        lead = x.shape[: x.ndim - n]
+        x2 = x.astype(w.dtype).reshape(math.prod(lead), math.prod(in_shape))
+        w2 = w.reshape(math.prod(out_shape), math.prod(in_shape))
+        y = (x2 @ w2.T).reshape(*lead, *out_shape)
         if self.bias is not None:
             y = y + self.bias
         return y
