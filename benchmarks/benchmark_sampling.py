@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import tyro
 
-from eqx_tx.sampling import SamplerArrays, SamplingParams, filter_logits, sample_batch
+from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_batch, sample_token
 
 
 @dataclasses.dataclass
@@ -32,11 +32,10 @@ class Args:
 
 
 def _sort_based(logits, sampler, index):
-    """The reference path: sort every row."""
+    """The reference path: sort every row (`sample_token`), same keys and draws."""
     keys = jax.vmap(lambda s, j, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), j), i))(
         sampler.seed, sampler.sample, index)
-    filtered = jax.vmap(filter_logits)(logits, sampler.temperature, sampler.top_k, sampler.top_p)
-    tokens = jax.vmap(jax.random.categorical)(keys, filtered)
+    tokens = jax.vmap(sample_token)(logits, sampler.temperature, sampler.top_k, sampler.top_p, keys)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 

@@ -6,6 +6,12 @@ top-k threshold and, almost always, the top-p threshold are found inside it, and
 only when the window's probability mass falls short of `top_p` is the threshold
 found by bisection over the float values (33 masked sums over the vocabulary). The
 kept set equals the sort-based `filter_logits` (the reference the tests compare with).
+
+A token is drawn by the Gumbel-max rule with noise that is a pure function of the
+request's key and the token id (`token_gumbel`), so when every kept token lies in
+the window only the window's noise is computed (a few dozen hashes instead of one
+per vocabulary entry), and the drawn token is the one the reference draws from the
+whole vocabulary with the same key.
 """
 
 import dataclasses
@@ -13,7 +19,8 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jax.extend.random import threefry2x32_p
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +195,25 @@ def filter_logits_batch(
     return jnp.where(keep, x, -jnp.inf)
 
 
+def token_gumbel(key: PRNGKeyArray, ids: Int[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """Standard Gumbel noise for each token id under `key` (a threefry key): a pure
+    function of `(key, id)` (one threefry hash of the id), so the noise of a few
+    candidates equals their entries in the noise of the whole vocabulary."""
+    k0, k1 = jax.random.key_data(key)
+    ids = ids.astype(jnp.uint32)
+    bits, _ = threefry2x32_p.bind(k0, k1, ids, jnp.zeros_like(ids))
+    u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+    return -jnp.log(-jnp.log(jnp.maximum(u, jnp.finfo(jnp.float32).tiny)))
+
+
+def _gumbel_max(scores: Float[Array, "batch n"], ids: Int[Array, "batch n"], keys) -> Int[Array, " batch"]:
+    """Per row the id maximising `score + token_gumbel(key, id)` (ties: the smallest
+    id, whatever the order of `ids`): a draw from `softmax(scores)`."""
+    noisy = scores + jax.vmap(token_gumbel)(keys, ids)
+    best = jnp.max(noisy, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(noisy == best, ids, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+
+
 def sample_token(
     logits: Float[Array, " vocab"],
     temperature: Float[Array, ""],
@@ -195,38 +221,86 @@ def sample_token(
     top_p: Float[Array, ""],
     key,
 ) -> Int[Array, ""]:
-    """One token: argmax when `temperature == 0`, else a draw from the filtered softmax."""
+    """One token: argmax when `temperature == 0`, else a draw from the filtered softmax
+    (sorting the vocabulary: the reference for `sample_batch`)."""
     filtered = filter_logits(logits, temperature, top_k, top_p)
-    drawn = jax.random.categorical(key, filtered)
+    ids = jnp.arange(logits.shape[0], dtype=jnp.int32)
+    drawn = _gumbel_max(filtered[None], ids[None], key[None])[0]
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+
+
+def _draw_filtered(logits: Float[Array, "batch vocab"], sampler: SamplerArrays, keys) -> Int[Array, " batch"]:
+    """Top-k/top-p draws. The window (`lax.top_k`) decides the kept set of a row on
+    its own when its threshold lies strictly above the window's smallest value (then
+    no token outside can be kept); if every sampled row is so, only the window is
+    drawn from, else the whole filtered vocabulary."""
+    B, V = logits.shape
+    K = min(sampler.window, V)
+    temperature, top_k, top_p = sampler.temperature, sampler.top_k, sampler.top_p
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    values, ids = jax.lax.top_k(x, K)
+    values = jax.lax.optimization_barrier(values)  # see filter_logits_batch
+    use_k, use_p = top_k > 0, top_p < 1.0
+    kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=-1)[:, 0]
+    k_inside = use_k & (values[:, -1] < kth)  # the whole top-k set is in the window
+    top = values[:, :1]
+    mass = jnp.where(~use_k[:, None] | (values >= kth[:, None]), jnp.exp(values - top), 0.0)
+    in_window = jnp.sum(mass, axis=-1)
+    # Top-p normalises over the top-k set; outside the window only for rows that need it.
+    full = use_p & ~k_inside
+    total = jax.lax.cond(
+        jnp.any(full),
+        lambda: jnp.where(full, jnp.sum(jnp.where(~use_k[:, None] | (x >= kth[:, None]), jnp.exp(x - top), 0.0), -1),
+                          in_window),
+        lambda: in_window,
+    )
+    cand = mass / total[:, None]
+    before = jnp.cumsum(cand, axis=-1) - cand  # the mass above each candidate
+    p_threshold = jnp.min(jnp.where(before < top_p[:, None], values, jnp.inf), axis=-1)
+    threshold = jnp.maximum(jnp.where(use_k, kth, -jnp.inf), jnp.where(use_p, p_threshold, -jnp.inf))
+    decided = (threshold > values[:, -1]) | (temperature <= 0)
+
+    def window_only():
+        return _gumbel_max(jnp.where(values >= threshold[:, None], values, -jnp.inf), ids, keys)
+
+    def whole_vocabulary():
+        filtered = filter_logits_batch(logits, temperature, top_k, top_p, window=sampler.window)
+        return _gumbel_max(filtered, jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V)), keys)
+
+    return jax.lax.cond(jnp.all(decided), window_only, whole_vocabulary)
 
 
 def sample_batch(
     logits: Float[Array, "batch vocab"], sampler: SamplerArrays, index: Int[Array, " batch"]
 ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
     """Sample token `index[b]` of every sequence; returns tokens and their log-probabilities
-    under the model's unmodified distribution (`log_softmax` of the raw logits)."""
+    under the model's unmodified distribution (`log_softmax` of the raw logits).
+
+    The drawn tokens equal `sample_token` on each row with the same key."""
+    B, V = logits.shape
     keys = jax.vmap(lambda s, j, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), j), i))(
         sampler.seed, sampler.sample, index
     )
-    needs_filter = jnp.any((sampler.temperature > 0) & ((sampler.top_k > 0) | (sampler.top_p < 1.0)))
+    sampled = sampler.temperature > 0
+    needs_filter = jnp.any(sampled & ((sampler.top_k > 0) | (sampler.top_p < 1.0)))
 
-    def full(logits):
-        filtered = filter_logits_batch(logits, sampler.temperature, sampler.top_k, sampler.top_p,
-                                       window=sampler.window)
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-        return jnp.where(sampler.temperature > 0, drawn, jnp.argmax(logits, -1)).astype(jnp.int32)
+    def filtered(logits):
+        return _draw_filtered(logits, sampler, keys)
 
-    def plain(logits):  # no top-k/top-p anywhere: no filter
-        t = jnp.where(sampler.temperature > 0, sampler.temperature, 1.0)[:, None]
-        drawn = jax.vmap(jax.random.categorical)(keys, logits / t)
-        return jnp.where(sampler.temperature > 0, drawn, jnp.argmax(logits, -1)).astype(jnp.int32)
+    def plain(logits):  # no top-k/top-p anywhere: draw from the whole tempered softmax
+        t = jnp.where(sampled, sampler.temperature, 1.0)[:, None]
+        return _gumbel_max(logits / t, jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V)), keys)
+
+    most_likely = jnp.argmax(logits, -1).astype(jnp.int32)
 
     def greedy(logits):  # no draw anywhere: no random numbers over the vocabulary
-        return jnp.argmax(logits, -1).astype(jnp.int32)
+        return most_likely
 
-    sampled = jnp.any(sampler.temperature > 0)
-    branch = jnp.where(needs_filter, 2, jnp.where(sampled, 1, 0))
-    tokens = jax.lax.switch(branch, (greedy, plain, full), logits)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    branch = jnp.where(needs_filter, 2, jnp.where(jnp.any(sampled), 1, 0))
+    drawn = jax.lax.switch(branch, (greedy, plain, filtered), logits)
+    tokens = jnp.where(sampled, drawn, most_likely)
+    # log_softmax at the token, reusing the argmax's maximum: two passes over the vocabulary.
+    top = jnp.take_along_axis(logits, most_likely[:, None], axis=-1)
+    log_total = top[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+    logp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_total
+    return tokens, logp

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eqx_tx.sampling import (SamplerArrays, SamplingParams, candidate_window, filter_logits, filter_logits_batch,
-                             sample_batch, sample_token)
+                             sample_batch, sample_token, token_gumbel)
 
 V = 1000
 
@@ -72,3 +72,57 @@ def test_sampled_tokens_equal_the_reference_for_the_same_keys():
 def test_the_window_covers_every_top_k():
     assert candidate_window(0, 151936) == 64 and candidate_window(20, 151936) == 64
     assert candidate_window(65, 151936) == 128 and candidate_window(1000, 512) == 512
+
+
+@pytest.mark.parametrize("peak", [1.0, 4.0])
+def test_draws_from_the_window_alone_equal_the_reference(peak):
+    """Every row's kept set inside the window (top-k, or top-p reached there): only
+    the candidates' noise is computed, and the token is the one drawn from the whole
+    vocabulary with the same key."""
+    rng = np.random.default_rng(5)
+    B = 8
+    logits = jnp.asarray(rng.normal(size=(B, V)) * peak, jnp.float32)
+    ks = [1, 5, 20, 20, 64, 0, 3, 0]
+    ps = [1.0, 0.9, 0.95, 0.3, 0.5, 1e-7, 1.0, 0.2 if peak > 1 else 1e-7]
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(zip(ks, ps))]
+    sampler = SamplerArrays.from_params(params, (), V)
+    for step in range(8):
+        index = jnp.full((B,), step, jnp.int32)
+        tokens, logp = jax.jit(sample_batch)(logits, sampler, index)
+        keys = [jax.random.fold_in(jax.random.fold_in(jax.random.key(i), 0), step) for i in range(B)]
+        expected = [int(sample_token(logits[i], sampler.temperature[i], sampler.top_k[i], sampler.top_p[i], keys[i]))
+                    for i in range(B)]
+        assert np.asarray(tokens).tolist() == expected
+        ref_logp = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(B), expected]
+        np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-6)
+
+
+def test_token_noise_depends_only_on_key_and_id():
+    key = jax.random.key(42)
+    ids = jnp.arange(V, dtype=jnp.int32)
+    whole = np.asarray(token_gumbel(key, ids))
+    picked = np.asarray(token_gumbel(key, jnp.asarray([17, 3, 999, 500], jnp.int32)))
+    np.testing.assert_array_equal(picked, whole[[17, 3, 999, 500]])
+    # Standard Gumbel: mean = Euler's gamma, variance = pi^2 / 6 (V = 1000 draws).
+    assert abs(whole.mean() - 0.5772) < 0.15 and abs(whole.var() - np.pi**2 / 6) < 0.5
+
+
+def test_draws_past_the_window_equal_the_reference():
+    """Rows whose kept set may reach past the window (no filter in a filtered batch,
+    a flat top-p set, ties at the top-k threshold): the whole vocabulary is drawn from."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(4, V)).astype(np.float32)
+    logits[1] *= 0.05  # flat: top_p 0.9 keeps ~900 tokens
+    logits[2, :100] = 8.0  # 100 tied at the top: top_k 3 keeps all of them
+    logits = jnp.asarray(logits)
+    params = [SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, top_k=3, seed=2), SamplingParams(temperature=0.7, top_k=20, seed=3)]
+    sampler = SamplerArrays.from_params(params, (), V)
+    assert sampler.window == 64
+    for step in range(6):
+        tokens, _ = jax.jit(sample_batch)(logits, sampler, jnp.full((4,), step, jnp.int32))
+        keys = [jax.random.fold_in(jax.random.fold_in(jax.random.key(i), 0), step) for i in range(4)]
+        expected = [int(sample_token(logits[i], sampler.temperature[i], sampler.top_k[i], sampler.top_p[i], keys[i]))
+                    for i in range(4)]
+        assert np.asarray(tokens).tolist() == expected
+        assert int(tokens[2]) < 100
