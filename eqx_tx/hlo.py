@@ -1,8 +1,10 @@
-"""Collective operations in compiled HLO: what crosses devices, per layer.
+"""Reading compiled HLO: what crosses devices per layer, and which buffers exist.
 
 Layer loops are found as `while` loops whose known trip count equals the number of
 layers (the forward scan and its transpose); collectives inside their bodies run
-once per layer.
+once per layer. `materialized` lists the instructions that get a buffer of their
+own (everything outside fusion bodies), e.g. to check that no layer weight is
+copied.
 """
 
 import collections
@@ -72,3 +74,37 @@ def format_summary(summary) -> str:
         text = ", ".join(f"{op} x{n} ({b / 2**20:,.1f} MiB)" for op, (n, b) in sorted(items.items())) or "none"
         lines.append(f"{where.replace('_', ' ')}: {text}")
     return "; ".join(lines)
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]\S* (?P<op>[\w\-]+)\(")
+_FUSION_BODY = re.compile(r" fusion\(.*?calls=%(?P<body>[\w.\-]+)")
+_NOT_NEW = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
+
+
+@dataclasses.dataclass
+class Buffer:
+    name: str
+    op: str  # the instruction's opcode (`fusion` for a fused kernel)
+    shape: tuple[int, ...]
+    dtype: str
+    computation: str
+
+
+def materialized(hlo_text: str) -> list[Buffer]:
+    """Array-valued instructions outside fusion bodies that write a new buffer
+    (parameters, tuple plumbing, bitcasts and constants left out)."""
+    bodies = {m.group("body") for m in _FUSION_BODY.finditer(hlo_text)}
+    found, current = [], None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group("name")
+            continue
+        if current in bodies:
+            continue
+        i = _INSTRUCTION.match(line)
+        if i and i.group("op") not in _NOT_NEW and current is not None:
+            shape = tuple(int(d) for d in i.group("dims").split(",") if d)
+            found.append(Buffer(i.group("name"), i.group("op"), shape, i.group("dtype"), current))
+    return found
+

@@ -8,6 +8,7 @@ import torch
 
 import eqx_tx
 from eqx_tx.generation import DecodeState, decode, generate, prefill
+from eqx_tx.hlo import materialized
 from eqx_tx.models.transformer import new_cache
 from eqx_tx.loading import abstract_model
 from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_token
@@ -155,6 +156,27 @@ def test_decode_memory_is_the_cache_updated_in_place():
         assert mem.alias_size_in_bytes >= cache_bytes
         # ... and the only cache-dependent scratch is one layer's keys/values, not a second cache.
         assert mem.temp_size_in_bytes <= cache_bytes / L + 8 * B * V * 4, (B, T, mem.temp_size_in_bytes)
+
+
+def test_batch_one_decode_reads_the_layer_weights_in_place():
+    """No buffer in the compiled decode step is a copy of a layer's weight: each
+    projection is a matrix-vector product fused with the read of its layer's slice of
+    the stacked weights (the bandwidth-bound case, where a copy would cost most)."""
+    config = eqx_tx.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = abstract_model(config, jnp.float32)
+    S = jax.ShapeDtypeStruct
+    B, T, V = 1, 192, config.vocab_size
+    state = DecodeState(_abstract_cache(config, B, T), S((B, V), jnp.float32), S((B,), jnp.int32), S((B,), jnp.int32),
+                        S((B,), jnp.int32), S((B, 64), jnp.int32), S((B, 64), jnp.float32), S((), jnp.int32))
+    sampler = SamplerArrays.from_params([SamplingParams(temperature=0.7, top_k=20, top_p=0.95)], (), V)
+    text = decode.lower(model, state, sampler, S((), jnp.int32), compute=eqx_tx.ComputeConfig()).compile().as_text()
+    weight_sizes = {int(np.prod(a.shape[1:])) for a in jax.tree.leaves(model.model.layers) if a.ndim >= 3}
+    assert weight_sizes >= {256 * 256, 128 * 256, 768 * 256}
+    buffers = materialized(text)
+    assert any(b.op == "fusion" for b in buffers)  # the parser sees the step's kernels
+    copies = [b for b in buffers if int(np.prod(b.shape)) in weight_sizes]
+    assert not copies, copies
 
 
 @pytest.mark.parametrize(
