@@ -1,15 +1,29 @@
-"""eqx_tx vs Hugging Face transformers (PyTorch), same model, same CPU, float32.
+"""eqx_tx vs Hugging Face transformers (PyTorch eager), and vs this machine's limits.
 
-Train-step tokens/s (forward + backward + AdamW), prefill tokens/s (last-token
-logits only on both sides: HF with `logits_to_keep=1`), and greedy decode tokens/s
-at batch 1 and 16. Throughput excludes compilation (reported separately); each
-figure is the best of `--repeats` timed runs after a warm-up.
+One process, same model, same CPU, float32. For each configuration (by default the
+small Qwen3 at vocabulary 32000 with an untied head, and the same at Qwen3's real
+vocabulary 151936 with a tied head):
+
+- **limits**, measured here first: streaming bandwidth (best of numpy and jax sums of
+  a 256 MiB array) and matmul peak (`jnp.dot` on the model's own training shapes);
+- **train step** (forward, backward, AdamW): eqx_tx `remat="full"` vs HF with
+  `gradient_checkpointing_enable()`, and `remat="none"` vs HF eager; model-FLOP
+  utilisation (6 · matmul params · tokens + causal attention) of the matmul peak;
+- **prefill / time to first token** of `prefill_batch` x `seq_len` prompts (last-token
+  logits only on both sides: HF with `logits_to_keep=1`);
+- **decode** tokens/s at each batch, greedy and top_k=20 / top_p=0.95 / temperature
+  0.7; batch 1 against the bandwidth roofline (weight bytes read per token /
+  bandwidth).
+
+Every figure is the median of `--repeats` timed runs after a warm-up, eqx_tx and HF
+interleaved. Compilation is excluded (reported separately).
 
     python benchmarks/benchmark_speed.py
 """
 
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
 
@@ -26,6 +40,8 @@ from eqx_tx.models.transformer import new_cache
 from eqx_tx.sampling import SamplingParams
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 
+SAMPLED = dict(temperature=0.7, top_k=20, top_p=0.95)
+
 
 @dataclasses.dataclass
 class Args:
@@ -33,139 +49,213 @@ class Args:
     layers: int = 8
     heads: int = 8
     kv_heads: int = 4
-    vocab: int = 32000
+    vocabs: tuple[int, ...] = (32000, 151936)
+    """One configuration per vocabulary; the head is tied from 100k on (as Qwen3's small models)."""
     seq_len: int = 1024
     train_batch: int = 2
     prefill_batch: int = 4
     decode_prompt: int = 128
     decode_tokens: int = 64
     decode_batches: tuple[int, ...] = (1, 16)
-    repeats: int = 2
+    repeats: int = 3
+    skip_train: bool = False
 
 
-def best(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def _median_times(fns: dict, repeats: int) -> dict[str, float]:
+    """Warm up each callable, then time them interleaved; medians in seconds."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def eqx_figures(path, args: Args, rng) -> dict:
-    out = {}
-    compute = eqx_tx.ComputeConfig()
-    ids = jnp.asarray(rng.integers(0, args.vocab, (args.train_batch, args.seq_len + 1)), jnp.int32)
-    batch = Batch(ids[:, :-1], ids[:, 1:], jnp.ones((args.train_batch, args.seq_len)),
-                  jnp.full((args.train_batch,), args.seq_len))
-    # train step: the memory-first defaults, then without per-layer recomputation
-    for label, train_compute in [("train", compute), ("train, remat=none", eqx_tx.ComputeConfig(remat="none"))]:
-        config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4), compute=train_compute)
-        holder = [init_train_state(eqx_tx.load(path, progress=False), config)]
-
-        def step():
-            holder[0], m = train_step(holder[0], batch, config)
-            jax.block_until_ready(m)
-
-        t = time.perf_counter()
-        step()
-        out[f"{label} compile+first (s)"] = time.perf_counter() - t
-        out[f"{label} tokens/s"] = args.train_batch * args.seq_len / best(step, args.repeats)
-    model = eqx_tx.load(path, progress=False)
-    # prefill
-    B, T = args.prefill_batch, args.seq_len
-    tokens = jnp.asarray(rng.integers(0, args.vocab, (B, T)), jnp.int32)
-    lengths = jnp.full((B,), T, jnp.int32)
-
-    def run_prefill():
-        cache = new_cache(model.config, B, T, model.dtype)
-        jax.block_until_ready(prefill(model, cache, tokens, lengths, chunk=T, compute=compute))
-
-    t = time.perf_counter()
-    run_prefill()
-    out["prefill compile+first (s)"] = time.perf_counter() - t
-    out["prefill tokens/s"] = B * T / best(run_prefill, args.repeats)
-    # decode
-    for b in args.decode_batches:
-        prompts = rng.integers(0, args.vocab, (b, args.decode_prompt)).tolist()
-        params = SamplingParams(max_new_tokens=args.decode_tokens, stop_token_ids=())
-        short = SamplingParams(max_new_tokens=1, stop_token_ids=())
-        generate(model, prompts, params)  # compile
-        generate(model, prompts, short)
-        full = best(lambda: generate(model, prompts, params), args.repeats)
-        first = best(lambda: generate(model, prompts, short), args.repeats)
-        out[f"decode b={b} tokens/s"] = b * (args.decode_tokens - 1) / (full - first)
-    return out
+def bandwidth_gbs(repeats: int) -> float:
+    """Streaming read bandwidth: the best of numpy and jax sums of a 256 MiB array."""
+    host = np.ones(64 * 2**20, np.float32)
+    device = jnp.asarray(host)
+    total = jax.jit(jnp.sum)
+    t = _median_times({"numpy": lambda: host.sum(), "jax": lambda: total(device).block_until_ready()}, 3 * repeats)
+    return host.nbytes / min(t.values()) / 1e9
 
 
-def hf_figures(path, args: Args, rng) -> dict:
+def matmul_peak_gflops(cfg, tokens: int, repeats: int) -> float:
+    """FLOP-weighted `jnp.dot` throughput on the model's training matmul shapes."""
+    D, F, Q = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    shapes = [(tokens, D, Q), (tokens, Q, D), (tokens, D, F), (tokens, F, D), (tokens, D, 4096)]
+    dot = jax.jit(jnp.dot)
+    flops, seconds = 0, 0.0
+    for m, k, n in shapes:
+        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        t = _median_times({"dot": lambda: dot(a, b).block_until_ready()}, 3 * repeats)["dot"]
+        flops += 2 * m * k * n
+        seconds += t
+    return flops / seconds / 1e9
+
+
+def matmul_params(cfg, *, head: bool) -> int:
+    D, Q, KV = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = D * (2 * Q + 2 * KV) + 3 * D * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer + (cfg.vocab_size * D if head else 0)
+
+
+def train_flops(cfg, B: int, T: int) -> float:
+    """6 · matmul params · tokens, plus causal attention (QKᵀ and PV, forward and backward)."""
+    attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T  # per token, causal half
+    return B * T * (6 * matmul_params(cfg, head=True) + attention)
+
+
+def prefill_flops(cfg, B: int, T: int) -> float:
+    attention = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
+    return B * T * (2 * matmul_params(cfg, head=False) + attention) + 2 * B * cfg.vocab_size * cfg.hidden_size
+
+
+def decode_bytes_per_token(cfg) -> int:
+    """Weights read per decode step at batch 1: every layer, the final norm, the LM head."""
+    return 4 * (matmul_params(cfg, head=True) + cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size)
+
+
+def measure(path: str, cfg, args: Args, rng) -> list[tuple]:
+    """Rows `(measure, eqx value, HF value, unit, limit note)`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    out = {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.as_tensor(rng.integers(0, args.vocab, (args.train_batch, args.seq_len + 1)))
+    rows = []
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours = eqx_tx.load(path, progress=False)
+    if not args.skip_train:
+        B, T = args.train_batch, args.seq_len
+        ids = rng.integers(0, cfg.vocab_size, (B, T + 1))
+        batch = Batch(jnp.asarray(ids[:, :-1], jnp.int32), jnp.asarray(ids[:, 1:], jnp.int32), jnp.ones((B, T)),
+                      jnp.full((B,), T))
+        ids_t = torch.as_tensor(ids)
+        optim = torch.optim.AdamW(hf.parameters(), lr=1e-4)
 
-    def step():
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
+        def hf_step():
+            logits = hf(input_ids=ids_t[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids_t[:, 1:].reshape(-1))
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
 
-    model.train()
-    step()
-    out["train tokens/s"] = args.train_batch * args.seq_len / best(step, args.repeats)
-    model.eval()
-    tokens = torch.as_tensor(rng.integers(0, args.vocab, (args.prefill_batch, args.seq_len)))
+        hf.train()
+        for remat, checkpointing in (("full", True), ("none", False)):
+            config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4), compute=eqx_tx.ComputeConfig(remat=remat))
+            state = [init_train_state(eqx_tx.load(path, progress=False), config)]
 
-    def run_prefill():
+            def eqx_step():
+                state[0], m = train_step(state[0], batch, config)
+                jax.block_until_ready(m)
+
+            t = time.perf_counter()
+            eqx_step()
+            compile_s = time.perf_counter() - t
+            if checkpointing:
+                hf.gradient_checkpointing_enable()
+            else:
+                hf.gradient_checkpointing_disable()
+            t = _median_times({"eqx": eqx_step, "hf": hf_step}, args.repeats)
+            partner = "HF gradient checkpointing" if checkpointing else "HF eager"
+            rows.append((f"train remat={remat} tokens/s (vs {partner})", B * T / t["eqx"], B * T / t["hf"], "tok/s",
+                         ("MFU", train_flops(cfg, B, T) / t["eqx"] / 1e9, train_flops(cfg, B, T) / t["hf"] / 1e9)))
+            rows.append((f"train remat={remat} compile + first step (s)", compile_s, None, "s", None))
+            del state
+        hf.gradient_checkpointing_disable()
+    hf.eval()
+    # prefill: time to first token
+    B, T = args.prefill_batch, args.seq_len
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    tokens_j, lengths = jnp.asarray(tokens, jnp.int32), jnp.full((B,), T, jnp.int32)
+    tokens_t = torch.as_tensor(tokens)
+    compute = eqx_tx.ComputeConfig()
+
+    def eqx_prefill():
+        cache = new_cache(ours.config, B, T, ours.dtype)
+        jax.block_until_ready(prefill(ours, cache, tokens_j, lengths, chunk=T, compute=compute))
+
+    def hf_prefill():
         with torch.no_grad():
-            model(input_ids=tokens, logits_to_keep=1, use_cache=True)
+            hf(input_ids=tokens_t, logits_to_keep=1, use_cache=True)
 
-    run_prefill()
-    out["prefill tokens/s"] = args.prefill_batch * args.seq_len / best(run_prefill, args.repeats)
+    t0 = time.perf_counter()
+    eqx_prefill()
+    compile_s = time.perf_counter() - t0
+    t = _median_times({"eqx": eqx_prefill, "hf": hf_prefill}, args.repeats)
+    flops = prefill_flops(cfg, B, T)
+    rows.append((f"time to first token, {B} x {T} prompts (ms)", 1e3 * t["eqx"], 1e3 * t["hf"], "ms",
+                 ("MFU", flops / t["eqx"] / 1e9, flops / t["hf"] / 1e9)))
+    rows.append(("prefill compile + first (s)", compile_s, None, "s", None))
+    # decode
     for b in args.decode_batches:
-        prompt = torch.as_tensor(rng.integers(0, args.vocab, (b, args.decode_prompt)))
+        prompts = rng.integers(0, cfg.vocab_size, (b, args.decode_prompt))
+        prompt_t = torch.as_tensor(prompts)
+        for label, sampling in (("greedy", {}), ("top_k=20 top_p=0.95 T=0.7", SAMPLED)):
+            full = SamplingParams(max_new_tokens=args.decode_tokens, stop_token_ids=(), **sampling)
+            one = SamplingParams(max_new_tokens=1, stop_token_ids=(), **sampling)
 
-        def gen(n):
-            with torch.no_grad():
-                model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            def hf_gen(n):
+                with torch.no_grad():
+                    hf.generate(prompt_t, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                                do_sample=bool(sampling), **sampling)
 
-        gen(2)
-        full = best(lambda: gen(args.decode_tokens), args.repeats)
-        first = best(lambda: gen(1), args.repeats)
-        out[f"decode b={b} tokens/s"] = b * (args.decode_tokens - 1) / (full - first)
-    return out
+            t = _median_times({"eqx_full": lambda: generate(ours, prompts.tolist(), full),
+                               "eqx_one": lambda: generate(ours, prompts.tolist(), one),
+                               "hf_full": lambda: hf_gen(args.decode_tokens), "hf_one": lambda: hf_gen(1)},
+                              args.repeats)
+            steps = args.decode_tokens - 1
+            rate = lambda who: b * steps / (t[f"{who}_full"] - t[f"{who}_one"])  # noqa: E731
+            rows.append((f"decode b={b} {label} tokens/s", rate("eqx"), rate("hf"), "tok/s",
+                         ("roofline", decode_bytes_per_token(cfg), None) if b == 1 else None))
+    return rows
 
 
 def main(args: Args) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                          num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-                          max_position_embeddings=4 * args.seq_len)
-        Qwen3ForCausalLM(cfg).save_pretrained(tmp)
-        ours = eqx_figures(tmp, args, np.random.default_rng(0))
-        theirs = hf_figures(tmp, args, np.random.default_rng(0))
-    print(f"Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32, CPU "
-          f"({os.cpu_count()} cores); train B={args.train_batch} x T={args.seq_len}, "
-          f"prefill B={args.prefill_batch} x T={args.seq_len}, decode {args.decode_tokens} tokens "
-          f"after {args.decode_prompt}")
-    print("| measure | eqx_tx | HF transformers | eqx_tx / HF |")
-    print("|---|---|---|---|")
-    for key, value in theirs.items():
-        print(f"| {key} | {ours[key]:,.0f} | {value:,.0f} | {ours[key] / value:.2f} |")
-    key = "train, remat=none tokens/s"
-    print(f"| {key} | {ours[key]:,.0f} | {theirs['train tokens/s']:,.0f} | {ours[key] / theirs['train tokens/s']:.2f} |")
-    for key in ("train compile+first (s)", "prefill compile+first (s)"):
-        print(f"| {key} | {ours[key]:.1f} | - | - |")
+    print(f"CPU ({os.cpu_count()} cores), float32, jax {jax.__version__}, torch {torch.__version__}; "
+          f"median of {args.repeats}, eqx_tx and HF interleaved")
+    for vocab in args.vocabs:
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.manual_seed(0)
+            hf_cfg = Qwen3Config(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                                 num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                 num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                                 max_position_embeddings=4 * args.seq_len, tie_word_embeddings=vocab >= 100_000)
+            Qwen3ForCausalLM(hf_cfg).save_pretrained(tmp)
+            cfg = eqx_tx.load(tmp, progress=False).config
+            bandwidth = bandwidth_gbs(args.repeats)
+            peak = matmul_peak_gflops(cfg, args.train_batch * args.seq_len, args.repeats)
+            rows = measure(tmp, cfg, args, np.random.default_rng(0))
+        print(f"\nQwen3 hidden {args.hidden}, {args.layers} layers, vocab {vocab} "
+              f"({'tied' if cfg.tie_word_embeddings else 'untied'} head); train B={args.train_batch} x "
+              f"T={args.seq_len}, decode {args.decode_tokens} tokens after {args.decode_prompt}")
+        print(f"limits measured in this run: streaming bandwidth {bandwidth:.1f} GB/s, "
+              f"matmul peak {peak:.0f} GFLOP/s (jnp.dot, the model's shapes at {args.train_batch * args.seq_len} rows)")
+        print("| measure | eqx_tx | HF transformers | eqx_tx / HF | eqx_tx vs limit | HF vs limit |")
+        print("|---|---|---|---|---|---|")
+        greedy = {}
+        for name, ours, theirs, unit, limit in rows:
+            fmt = (lambda v: f"{v:,.1f}") if unit == "s" else (lambda v: f"{v:,.0f}")
+            ratio = "-" if theirs is None else f"{(theirs / ours if unit == 'ms' else ours / theirs):.2f}x"
+            lim_ours = lim_theirs = "-"
+            if limit is not None and limit[0] == "MFU":
+                lim_ours, lim_theirs = f"{100 * limit[1] / peak:.0f}% MFU", f"{100 * limit[2] / peak:.0f}% MFU"
+            elif limit is not None:  # decode roofline: tokens/s at the bandwidth
+                roof = bandwidth * 1e9 / limit[1]
+                lim_ours, lim_theirs = f"{100 * ours / roof:.0f}% of {roof:.0f}", f"{100 * theirs / roof:.0f}%"
+            print(f"| {name} | {fmt(ours)} | {'-' if theirs is None else fmt(theirs)} | {ratio} | {lim_ours} | {lim_theirs} |")
+            if name.startswith("decode"):
+                greedy[name] = ours
+        for b in args.decode_batches:
+            g = greedy[f"decode b={b} greedy tokens/s"]
+            s = greedy[f"decode b={b} top_k=20 top_p=0.95 T=0.7 tokens/s"]
+            print(f"eqx_tx decode b={b}: a top_k/top_p step takes {g / s:.2f}x a greedy step")
 
 
 if __name__ == "__main__":
