@@ -23,6 +23,14 @@ def _settings(rng, B, ks=(0, 1, 5, 20, 64, V), ps=(1e-7, 0.3, 0.9, 0.999, 1.0)):
             jnp.asarray(rng.choice(ps, B), jnp.float32))
 
 
+def _reference_tokens(logits, sampler, step):
+    """`sample_token` on each row with the key `sample_batch` uses for token `step` (sample 0)."""
+    B = logits.shape[0]
+    keys = [jax.random.fold_in(jax.random.fold_in(jax.random.key(int(sampler.seed[i])), 0), step) for i in range(B)]
+    return [int(sample_token(logits[i], sampler.temperature[i], sampler.top_k[i], sampler.top_p[i], keys[i]))
+            for i in range(B)]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_kept_set_equals_the_sorting_reference(seed):
     rng = np.random.default_rng(seed)
@@ -63,9 +71,7 @@ def test_sampled_tokens_equal_the_reference_for_the_same_keys():
     for step in range(4):
         index = jnp.full((B,), step, jnp.int32)
         tokens, _ = jax.jit(sample_batch)(logits, sampler, index)
-        keys = [jax.random.fold_in(jax.random.fold_in(jax.random.key(i), 0), step) for i in range(B)]
-        expected = [int(sample_token(logits[i], sampler.temperature[i], sampler.top_k[i], sampler.top_p[i], keys[i]))
-                    for i in range(B)]
+        expected = _reference_tokens(logits, sampler, step)
         assert np.asarray(tokens).tolist() == expected
 
 
@@ -89,9 +95,7 @@ def test_draws_from_the_window_alone_equal_the_reference(peak):
     for step in range(8):
         index = jnp.full((B,), step, jnp.int32)
         tokens, logp = jax.jit(sample_batch)(logits, sampler, index)
-        keys = [jax.random.fold_in(jax.random.fold_in(jax.random.key(i), 0), step) for i in range(B)]
-        expected = [int(sample_token(logits[i], sampler.temperature[i], sampler.top_k[i], sampler.top_p[i], keys[i]))
-                    for i in range(B)]
+        expected = _reference_tokens(logits, sampler, step)
         assert np.asarray(tokens).tolist() == expected
         ref_logp = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(B), expected]
         np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-6)
@@ -121,8 +125,6 @@ def test_draws_past_the_window_equal_the_reference():
     assert sampler.window == 64
     for step in range(6):
         tokens, _ = jax.jit(sample_batch)(logits, sampler, jnp.full((4,), step, jnp.int32))
-        keys = [jax.random.fold_in(jax.random.fold_in(jax.random.key(i), 0), step) for i in range(4)]
-        expected = [int(sample_token(logits[i], sampler.temperature[i], sampler.top_k[i], sampler.top_p[i], keys[i]))
-                    for i in range(4)]
+        expected = _reference_tokens(logits, sampler, step)
         assert np.asarray(tokens).tolist() == expected
         assert int(tokens[2]) < 100
