@@ -33,9 +33,7 @@ class Args:
 
 def _sort_based(logits, sampler, index):
     """The reference path: sort every row (`sample_token`), same keys and draws."""
-    keys = jax.vmap(lambda s, j, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), j), i))(
-        sampler.seed, sampler.sample, index)
-    tokens = jax.vmap(sample_token)(logits, sampler.temperature, sampler.top_k, sampler.top_p, keys)
+    tokens = jax.vmap(sample_token)(logits, sampler.temperature, sampler.top_k, sampler.top_p, sampler.keys(index))
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 

@@ -107,4 +107,3 @@ def materialized(hlo_text: str) -> list[Buffer]:
             shape = tuple(int(d) for d in i.group("dims").split(",") if d)
             found.append(Buffer(i.group("name"), i.group("op"), shape, i.group("dtype"), current))
     return found
-

@@ -15,12 +15,13 @@ whole vocabulary with the same key.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,13 @@ class SamplerArrays(eqx.Module):
             window=candidate_window(max(p.top_k for p in params), vocab_size),
         )
 
+    def keys(self, index: Int[Array, " batch"]) -> PRNGKeyArray:
+        """The key of token `index[b]` of every sequence:
+        `fold_in(fold_in(key(seed), sample), index)` (see `SamplingParams.seed`)."""
+        return jax.vmap(lambda s, j, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), j), i))(
+            self.seed, self.sample, index
+        )
+
 
 def candidate_window(top_k: int, vocab_size: int) -> int:
     """How many of the largest logits `lax.top_k` takes: the largest requested `top_k`
@@ -147,6 +155,71 @@ def _top_p_by_bisection(x, probs, top_p, hi_value):
     return _from_ordered(hi)
 
 
+class _Window(NamedTuple):
+    """What the `lax.top_k` window of each row says about its top-k/top-p set."""
+
+    x: Float[Array, "batch vocab"]  # the temperature-scaled logits
+    values: Float[Array, "batch window"]  # the window's logits, descending (ties included)
+    ids: Int[Array, "batch window"]  # their token ids
+    kth: Float[Array, " batch"]  # the top-k threshold (meaningless where top_k == 0)
+    threshold: Float[Array, " batch"]  # keep x >= threshold (-inf: keep all), exact where `decided`
+    short: Bool[Array, " batch"]  # the whole window holds less than top_p of the mass
+
+    @property
+    def decided(self) -> Bool[Array, " batch"]:
+        """Rows whose threshold lies strictly above the window's smallest value: no
+        token outside the window is kept, so the window alone holds the kept set."""
+        return self.threshold > self.values[:, -1]
+
+
+def _window(logits, temperature, top_k, top_p, window: int) -> _Window:
+    """The candidates (the `window` largest scaled logits) and the threshold they imply."""
+    K = min(window, logits.shape[-1])
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    values, ids = jax.lax.top_k(x, K)
+    # The barrier keeps XLA from folding the slices below into the top-k, which turns
+    # its TopK into a sort of the whole vocabulary on CPU.
+    values = jax.lax.optimization_barrier(values)
+    use_k, use_p = top_k > 0, top_p < 1.0
+    kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=-1)[:, 0]
+    top = values[:, :1]
+    mass = jnp.where(~use_k[:, None] | (values >= kth[:, None]), jnp.exp(values - top), 0.0)
+    # Top-p normalises over the top-k set: the window's mass when the set lies inside it,
+    # else a sum over the vocabulary (only for the rows that need it).
+    outside = use_p & ~(use_k & (values[:, -1] < kth))
+    total = jax.lax.cond(
+        jnp.any(outside),
+        lambda: jnp.where(outside, jnp.sum(jnp.where(~use_k[:, None] | (x >= kth[:, None]), jnp.exp(x - top), 0.0), -1),
+                          jnp.sum(mass, -1)),
+        lambda: jnp.sum(mass, -1),
+    )
+    probs = mass / total[:, None]
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass above each candidate
+    kept = before < top_p[:, None]
+    p_threshold = jnp.min(jnp.where(kept, values, jnp.inf), axis=-1)
+    threshold = jnp.maximum(jnp.where(use_k, kth, -jnp.inf), jnp.where(use_p, p_threshold, -jnp.inf))
+    return _Window(x, values, ids, kth, threshold, jnp.all(kept, axis=-1))
+
+
+def _filter(w: _Window, top_k, top_p) -> Float[Array, "batch vocab"]:
+    """The scaled logits with everything outside each row's kept set at `-inf`; where
+    the window's mass falls short of `top_p` before the top-k set ends, the top-p
+    threshold is found below the window by bisection."""
+    use_k, use_p = top_k > 0, top_p < 1.0
+    kept_k = ~use_k[:, None] | (w.x >= w.kth[:, None])
+    beyond = w.short & (jnp.sum(kept_k, axis=-1) > w.values.shape[-1]) & use_p
+
+    def below_window(threshold):
+        top = w.values[:, :1]
+        probs = jnp.where(kept_k, jnp.exp(w.x - top), 0.0)
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        bisected = _top_p_by_bisection(w.x, probs, top_p, w.values[:, -1])
+        return jnp.where(beyond, jnp.maximum(jnp.where(use_k, w.kth, -jnp.inf), bisected), threshold)
+
+    threshold = jax.lax.cond(jnp.any(beyond), below_window, lambda t: t, w.threshold)
+    return jnp.where(w.x >= threshold[:, None], w.x, -jnp.inf)
+
+
 def filter_logits_batch(
     logits: Float[Array, "batch vocab"],
     temperature: Float[Array, " batch"],
@@ -162,37 +235,7 @@ def filter_logits_batch(
 
     **Returns:** the temperature-scaled logits with the filtered-out ones at `-inf`.
     """
-    B, V = logits.shape
-    K = min(window, V)
-    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    # [B, K], descending, ties included. The barrier keeps XLA from folding the slices
-    # below into the top-k, which turns its TopK into a sort of the whole vocabulary on CPU.
-    values = jax.lax.optimization_barrier(jax.lax.top_k(x, K)[0])
-    use_k = top_k > 0
-    kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=-1)  # [B, 1]
-    kept_k = ~use_k[:, None] | (x >= kth)
-    # Probabilities over the top-k set (normalised by `total`), the candidates' in descending order.
-    top = values[:, :1]
-
-    def unnormalised():
-        return jnp.where(kept_k, jnp.exp(x - top), 0.0)
-
-    total = jnp.sum(unnormalised(), axis=-1, keepdims=True)
-    cand = jnp.where(~use_k[:, None] | (values >= kth), jnp.exp(values - top), 0.0) / total
-    before = jnp.cumsum(cand, axis=-1) - cand  # the mass above each candidate
-    kept_c = before < top_p[:, None]
-    threshold = jnp.min(jnp.where(kept_c, values, jnp.inf), axis=-1)
-    # The threshold lies below the window when the window is all kept and the top-k
-    # set reaches past it.
-    beyond = jnp.all(kept_c, axis=-1) & (jnp.sum(kept_k, axis=-1) > K) & (top_p < 1.0)
-    threshold = jax.lax.cond(
-        jnp.any(beyond),
-        lambda t: jnp.where(beyond, _top_p_by_bisection(x, unnormalised() / total, top_p, values[:, -1]), t),
-        lambda t: t,
-        threshold,
-    )
-    keep = kept_k & (~(top_p < 1.0)[:, None] | (x >= threshold[:, None]))
-    return jnp.where(keep, x, -jnp.inf)
+    return _filter(_window(logits, temperature, top_k, top_p, window), top_k, top_p)
 
 
 def token_gumbel(key: PRNGKeyArray, ids: Int[Array, "*shape"]) -> Float[Array, "*shape"]:
@@ -230,44 +273,19 @@ def sample_token(
 
 
 def _draw_filtered(logits: Float[Array, "batch vocab"], sampler: SamplerArrays, keys) -> Int[Array, " batch"]:
-    """Top-k/top-p draws. The window (`lax.top_k`) decides the kept set of a row on
-    its own when its threshold lies strictly above the window's smallest value (then
-    no token outside can be kept); if every sampled row is so, only the window is
-    drawn from, else the whole filtered vocabulary."""
-    B, V = logits.shape
-    K = min(sampler.window, V)
-    temperature, top_k, top_p = sampler.temperature, sampler.top_k, sampler.top_p
-    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    values, ids = jax.lax.top_k(x, K)
-    values = jax.lax.optimization_barrier(values)  # see filter_logits_batch
-    use_k, use_p = top_k > 0, top_p < 1.0
-    kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=-1)[:, 0]
-    k_inside = use_k & (values[:, -1] < kth)  # the whole top-k set is in the window
-    top = values[:, :1]
-    mass = jnp.where(~use_k[:, None] | (values >= kth[:, None]), jnp.exp(values - top), 0.0)
-    in_window = jnp.sum(mass, axis=-1)
-    # Top-p normalises over the top-k set; outside the window only for rows that need it.
-    full = use_p & ~k_inside
-    total = jax.lax.cond(
-        jnp.any(full),
-        lambda: jnp.where(full, jnp.sum(jnp.where(~use_k[:, None] | (x >= kth[:, None]), jnp.exp(x - top), 0.0), -1),
-                          in_window),
-        lambda: in_window,
-    )
-    cand = mass / total[:, None]
-    before = jnp.cumsum(cand, axis=-1) - cand  # the mass above each candidate
-    p_threshold = jnp.min(jnp.where(before < top_p[:, None], values, jnp.inf), axis=-1)
-    threshold = jnp.maximum(jnp.where(use_k, kth, -jnp.inf), jnp.where(use_p, p_threshold, -jnp.inf))
-    decided = (threshold > values[:, -1]) | (temperature <= 0)
+    """Top-k/top-p draws: from the window alone when it decides every sampled row's
+    kept set, else from the whole filtered vocabulary."""
+    V = logits.shape[-1]
+    w = _window(logits, sampler.temperature, sampler.top_k, sampler.top_p, sampler.window)
 
     def window_only():
-        return _gumbel_max(jnp.where(values >= threshold[:, None], values, -jnp.inf), ids, keys)
+        return _gumbel_max(jnp.where(w.values >= w.threshold[:, None], w.values, -jnp.inf), w.ids, keys)
 
     def whole_vocabulary():
-        filtered = filter_logits_batch(logits, temperature, top_k, top_p, window=sampler.window)
-        return _gumbel_max(filtered, jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V)), keys)
+        ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), logits.shape)
+        return _gumbel_max(_filter(w, sampler.top_k, sampler.top_p), ids, keys)
 
-    return jax.lax.cond(jnp.all(decided), window_only, whole_vocabulary)
+    return jax.lax.cond(jnp.all(w.decided | (sampler.temperature <= 0)), window_only, whole_vocabulary)
 
 
 def sample_batch(
@@ -278,9 +296,7 @@ def sample_batch(
 
     The drawn tokens equal `sample_token` on each row with the same key."""
     B, V = logits.shape
-    keys = jax.vmap(lambda s, j, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), j), i))(
-        sampler.seed, sampler.sample, index
-    )
+    keys = sampler.keys(index)
     sampled = sampler.temperature > 0
     needs_filter = jnp.any(sampled & ((sampler.top_k > 0) | (sampler.top_p < 1.0)))
 

@@ -13,9 +13,9 @@ import numpy as np
 import tokenizers
 
 from .chat import Message, render_chat
+from .sampling import SamplingParams
 
 __all__ = ["Message", "Tokenizer", "apply_chat_template", "load_tokenizer", "sampling_defaults"]
-from .sampling import SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")

@@ -14,12 +14,24 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .flash import flash_attention
 from .quantized import Quantized
 
 KernelBackend = Literal["cudnn", "blockwise", "xla"]
+
+
+def _visible(B: int, T: int, S: int, kv_lengths, q_offset, causal: bool) -> Bool[Array, "batch q_seq kv_seq"]:
+    """The masking rule of `flash_attention` (without segments): key `j` is visible to
+    query `i` iff `j < kv_lengths` and, when causal, `j <= q_offset + i`."""
+    kv_lengths = jnp.full((B,), S) if kv_lengths is None else kv_lengths
+    k_pos = jnp.arange(S)
+    visible = k_pos[None, None, :] < kv_lengths[:, None, None]
+    if causal:
+        q_pos = jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None] + jnp.arange(T)
+        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+    return visible
 
 
 def xla_attention(
@@ -45,12 +57,7 @@ def xla_attention(
     qg = q.reshape(B, T, Hkv, H // Hkv, K)
     s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32)
     s = s * (K**-0.5 if scale is None else scale)
-    kv_lengths = jnp.full((B,), S) if kv_lengths is None else kv_lengths
-    q_pos = jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None] + jnp.arange(T)
-    k_pos = jnp.arange(S)
-    visible = k_pos[None, None, :] < kv_lengths[:, None, None]
-    if causal:
-        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+    visible = _visible(B, T, S, kv_lengths, q_offset, causal)
     if q_segment_ids is not None and kv_segment_ids is not None:
         same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
         visible = visible & same & (kv_segment_ids != 0)[:, None, :]
@@ -73,10 +80,7 @@ def _single_query_attention(q, k, v, *, kv_lengths, q_offset, causal: bool, scal
     qg = q.reshape(B, 1, Hkv, H // Hkv, K).astype(jnp.float32)
     s = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B, S, Hkv, G]
     s = s * (K**-0.5 if scale is None else scale)
-    k_pos = jnp.arange(S)
-    visible = k_pos[None, :] < (jnp.full((B,), S) if kv_lengths is None else kv_lengths)[:, None]
-    if causal:
-        visible = visible & (k_pos[None, :] <= jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None])
+    visible = _visible(B, 1, S, kv_lengths, q_offset, causal)[:, 0]  # [B, S]
     s = jnp.where(visible[:, :, None, None], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=1)  # [B, Hkv, G]
     p = jnp.where(visible[:, :, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None]), 0.0)
