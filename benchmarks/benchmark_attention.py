@@ -10,8 +10,11 @@
    without segment ids (causal over the whole row: what skipping saves), and each
    document alone (the sum): attention forward+backward, and a whole small-model
    training step (forward+backward) in real tokens per second.
+4. Tiles: blockwise forward and forward+backward time per tile size (block_q x
+   block_kv), the measurement behind `eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`.
 
     python benchmarks/benchmark_attention.py
+    python benchmarks/benchmark_attention.py --skip-memory --skip-speed --skip-packed   # tiles only
     python benchmarks/benchmark_attention.py --skip-memory --skip-speed --repeats 3   # packed documents only
 """
 
@@ -51,6 +54,11 @@ class Args:
     packed_docs: tuple[int, ...] = (2048, 1536, 1024, 768, 640, 512, 384, 320, 256, 192, 128, 128, 96, 64, 64)
     """Document lengths (tokens) of the packed-documents comparison: long-tailed, like fine-tuning data."""
     skip_packed: bool = False
+    tiles: tuple[int, ...] = (128, 256, 512)
+    """Square tile sizes compared (block_q = block_kv)."""
+    tile_shapes: tuple[tuple[int, int], ...] = ((2, 1024), (1, 4096))
+    """(batch, T) of the tile comparison."""
+    skip_tiles: bool = False
 
 
 def model_temp_bytes(implementation: str, seq_len: int) -> int:
@@ -90,6 +98,20 @@ def _median_seconds(fn, *inputs, repeats: int) -> float:
         jax.block_until_ready(fn(*inputs))
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def tile_seconds(B: int, T: int, tile: int, args: Args) -> tuple[float, float]:
+    """Blockwise forward and forward+backward median seconds with `tile x tile` blocks."""
+    keys = jax.random.split(jax.random.key(T), 3)
+    q = jax.random.normal(keys[0], (B, T, args.heads, args.head_dim))
+    k, v = (jax.random.normal(key, (B, T, args.kv_heads, args.head_dim)) for key in keys[1:])
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, block_q=tile, block_kv=tile)[0]
+
+    forward = _median_seconds(jax.jit(attention), q, k, v, repeats=args.repeats)
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)), argnums=(0, 1, 2)))
+    return forward, _median_seconds(grads, q, k, v, repeats=args.repeats)
 
 
 def _layouts(args: Args):
@@ -175,6 +197,17 @@ def main(args: Args) -> None:
             cells = f"{seconds:.3f} s | {tokens / seconds:,.0f}"
             model_cells = f"{model[name]:.3f} s | {tokens / model[name]:,.0f}" if name in model else "- | -"
             print(f"| {name} | {cells} | {model_cells} |")
+    if not args.skip_tiles:
+        print(f"\nBlockwise tiles: forward / forward+backward ms (causal, {args.heads} heads, {args.kv_heads} kv heads, "
+              f"head_dim {args.head_dim}, {jax.default_backend()}, median of {args.repeats}):")
+        print("| batch x T | " + " | ".join(f"{t} x {t}" for t in args.tiles) + " |")
+        print("|---" * (len(args.tiles) + 1) + "|")
+        for B, T in args.tile_shapes:
+            cells = []
+            for tile in args.tiles:
+                fwd, both = tile_seconds(B, T, tile, args)
+                cells.append(f"{1e3 * fwd:.0f} / {1e3 * both:.0f}")
+            print(f"| {B} x {T} | " + " | ".join(cells) + " |")
     if args.skip_speed:
         return
     print(f"\nAttention forward+backward time (causal, B=1, {args.heads} heads, {args.kv_heads} kv heads, "

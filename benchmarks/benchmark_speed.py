@@ -16,7 +16,9 @@ vocabulary 151936 with a tied head):
   bandwidth).
 
 Every figure is the median of `--repeats` timed runs after a warm-up, eqx_tx and HF
-interleaved. Compilation is excluded (reported separately).
+interleaved. Compilation is excluded (reported separately). The process runs with
+the retaining allocator of `eqx_tx.host_memory` (as the tools do), which both sides
+share; `EQX_TX_SYSTEM_MALLOC=1` runs with glibc's defaults instead.
 
     python benchmarks/benchmark_speed.py
 """
@@ -36,6 +38,7 @@ import tyro
 
 import eqx_tx
 from eqx_tx.generation import generate, prefill
+from eqx_tx.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
 from eqx_tx.models.transformer import new_cache
 from eqx_tx.sampling import SamplingParams
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
@@ -219,7 +222,8 @@ def main(args: Args) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     print(f"CPU ({os.cpu_count()} cores), float32, jax {jax.__version__}, torch {torch.__version__}; "
-          f"median of {args.repeats}, eqx_tx and HF interleaved")
+          f"median of {args.repeats}, eqx_tx and HF interleaved; "
+          f"{'retaining' if retaining_malloc_active() else 'system'} malloc")
     for vocab in args.vocabs:
         with tempfile.TemporaryDirectory() as tmp:
             torch.manual_seed(0)
@@ -259,4 +263,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_retaining_malloc()
     main(tyro.cli(Args))

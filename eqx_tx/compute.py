@@ -30,10 +30,11 @@ class ComputeConfig:
     """Attention kernel: `auto` (cuDNN where it can run, else blockwise for large score
     tiles, else xla; logged once), `cudnn`, `blockwise` (pure-JAX flash) or `xla`
     (materialised scores, the reference)."""
-    block_q: int = 512
-    """Query tile size of the blockwise kernel."""
-    block_kv: int = 512
-    """Key/value tile size of the blockwise kernel."""
+    block_q: int | None = None
+    """Query tile size of the blockwise kernel (`None`: the platform's default,
+    `eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""
+    block_kv: int | None = None
+    """Key/value tile size of the blockwise kernel (`None`: the platform's default)."""
     remat: RematPolicy = "full"
     """What each scanned layer keeps for the backward pass: `full` keeps only the
     layer-boundary activations and recomputes the layer, `none` keeps everything,
@@ -55,7 +56,7 @@ class ComputeConfig:
         unknown = set(self.remat_names) - set(CHECKPOINT_NAMES)
         if unknown:
             raise ValueError(f"remat_names {sorted(unknown)} unknown; choose from {CHECKPOINT_NAMES}")
-        if self.block_q < 1 or self.block_kv < 1:
+        if (self.block_q is not None and self.block_q < 1) or (self.block_kv is not None and self.block_kv < 1):
             raise ValueError(f"block sizes must be positive, got {self.block_q}, {self.block_kv}")
 
     def checkpoint_policy(self):

@@ -20,6 +20,7 @@ import tyro
 
 from eqx_tx.compute import AttentionImpl
 from eqx_tx.distributed import DistributedArgs
+from eqx_tx.host_memory import reexec_with_retaining_malloc
 
 DEFAULT_MODEL = "runs/tiny/final"
 
@@ -195,6 +196,7 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_retaining_malloc()  # XLA:CPU buffers stay mapped between steps (eqx_tx.host_memory)
     try:
         main(tyro.cli(Args))
     except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as e:

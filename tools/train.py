@@ -22,6 +22,7 @@ import tyro
 
 from eqx_tx.data import LongSequences, Packing
 from eqx_tx.distributed import DistributedArgs
+from eqx_tx.host_memory import reexec_with_retaining_malloc
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.training import OptimizerConfig, TrainConfig
 
@@ -276,6 +277,7 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_retaining_malloc()  # XLA:CPU buffers stay mapped between steps (eqx_tx.host_memory)
     try:
         main(tyro.cli(Args))
     except (ValueError, FileNotFoundError, KeyError, NotADirectoryError, RuntimeError) as e:

@@ -114,7 +114,7 @@ class Attention(eqx.Module):
         choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
                                   q_offset=mask.q_offset, mesh=mesh, compute=compute,
                                   segmented=mask.segment_ids is not None)
-        bq, bkv = compute.block_q, compute.block_kv
+        bq, bkv = choice.block_q, choice.block_kv
         if choice.backend == "shared_prefix":
             assert isinstance(cache, SharedPrefixCache) and layer is not None and positions is not None
             # Completion slot t holds position prompt_length + t.

@@ -66,3 +66,15 @@ def test_segment_ids_take_blockwise_where_cudnn_would_run(monkeypatch):
     with pytest.raises(ValueError, match="without a KV cache"):
         select_attention(Q, K, jnp.bfloat16, cache="dense", q_offset=0, mesh=None, compute=ComputeConfig(),
                          segmented=True)
+
+
+def test_tile_sizes_are_the_platforms_unless_configured(monkeypatch):
+    from eqx_tx.kernels import dispatch
+
+    cpu = _choose(attention="blockwise")
+    assert (cpu.block_q, cpu.block_kv) == dispatch.DEFAULT_BLOCKS["cpu"]
+    configured = _choose(attention="blockwise", block_q=64, block_kv=32)
+    assert (configured.block_q, configured.block_kv) == (64, 32)
+    monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "gpu")
+    gpu = _choose(attention="blockwise")
+    assert (gpu.block_q, gpu.block_kv) == dispatch.DEFAULT_BLOCKS["gpu"] != dispatch.DEFAULT_BLOCKS["cpu"]
