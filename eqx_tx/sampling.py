@@ -1,7 +1,8 @@
 """Per-sequence sampling: greedy, temperature, top-k, top-p, a seed per request.
 
-Top-k and top-p never sort the vocabulary (`filter_logits_batch`): `lax.top_k`
-takes a window of the largest logits (at least the largest requested `top_k`); the
+Top-k and top-p never sort the vocabulary (`filter_logits_batch`): an exact
+two-stage top-k (`eqx_tx.kernels.topk`, about the cost of an argmax) takes a window
+of the largest logits (at least the largest requested `top_k`); the
 top-k threshold and, almost always, the top-p threshold are found inside it, and
 only when the window's probability mass falls short of `top_p` is the threshold
 found by bisection over the float values (33 masked sums over the vocabulary). The
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .kernels.topk import top_k as window_top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +105,7 @@ class SamplerArrays(eqx.Module):
 
 
 def candidate_window(top_k: int, vocab_size: int) -> int:
-    """How many of the largest logits `lax.top_k` takes: the largest requested `top_k`
+    """How many of the largest logits the top-k window takes: the largest requested `top_k`
     rounded up to a power of two, at least 64 (so nothing recompiles for small
     changes), at most the vocabulary."""
     return min(vocab_size, max(64, 1 << max(top_k - 1, 0).bit_length()))
@@ -156,7 +159,7 @@ def _top_p_by_bisection(x, probs, top_p, hi_value):
 
 
 class _Window(NamedTuple):
-    """What the `lax.top_k` window of each row says about its top-k/top-p set."""
+    """What the top-k window of each row says about its top-k/top-p set."""
 
     x: Float[Array, "batch vocab"]  # the temperature-scaled logits
     values: Float[Array, "batch window"]  # the window's logits, descending (ties included)
@@ -175,10 +178,14 @@ class _Window(NamedTuple):
 def _window(logits, temperature, top_k, top_p, window: int) -> _Window:
     """The candidates (the `window` largest scaled logits) and the threshold they imply."""
     K = min(window, logits.shape[-1])
-    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    values, ids = jax.lax.top_k(x, K)
+    scale = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    x = logits / scale
+    # The window of the raw logits, scaled: the same values as the window of `x` (a
+    # positive scale keeps the order), without a pass over `x` unless a rare path needs it.
+    values, ids = window_top_k(logits, K)
+    values = values / scale
     # The barrier keeps XLA from folding the slices below into the top-k, which turns
-    # its TopK into a sort of the whole vocabulary on CPU.
+    # its TopK into a sort on CPU.
     values = jax.lax.optimization_barrier(values)
     use_k, use_p = top_k > 0, top_p < 1.0
     kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, K - 1)[:, None], axis=-1)[:, 0]
