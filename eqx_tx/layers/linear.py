@@ -64,11 +64,16 @@ class Linear(HasAxes):
         n = self.in_ndim
         w = self.weight
         out_shape, in_shape = w.shape[: w.ndim - n], w.shape[w.ndim - n :]
-        # One 2-D matmul `x · Wᵀ` over the flattened features: the row-major reshapes
-        # are free, and XLA then reads the weight in place (a multi-axis contraction
-        # made XLA:CPU transpose-copy the weight on every call).
+        # One matmul `x · Wᵀ` over the flattened features: the row-major reshapes are
+        # free, and XLA then reads the weight in place (a multi-axis contraction made
+        # XLA:CPU transpose-copy the weight on every call). Leading axes are merged only
+        # when at most one is longer than 1 (decode: the matvec then reads its layer's
+        # weight slice in place); merging a dp-sharded batch with an sp-sharded sequence
+        # would make GSPMD gather the sequence (+12 GiB per device in benchmark_memory's
+        # train stage 5).
         lead = x.shape[: x.ndim - n]
-        x2 = x.astype(w.dtype).reshape(math.prod(lead), math.prod(in_shape))
+        rows = (math.prod(lead),) if math.prod(lead) == max(lead, default=1) else lead
+        x2 = x.astype(w.dtype).reshape(*rows, math.prod(in_shape))
         w2 = w.reshape(math.prod(out_shape), math.prod(in_shape))
         y = (x2 @ w2.T).reshape(*lead, *out_shape)
         if self.bias is not None:
