@@ -16,6 +16,7 @@ def test_projection_keeps_batch_and_sequence_sharded():
     x = jax.device_put(jax.random.normal(jax.random.key(1), (4, 32, 64)), NamedSharding(mesh, P("dp", "sp", None)))
     step = jax.jit(lambda layer, x: layer(x), out_shardings=NamedSharding(mesh, P("dp", "sp", None, None)))
     hlo = step.lower(layer, x).compile().as_text()
+    assert hlo is not None
     # Merging [batch, seq] into one axis made GSPMD gather the sequence on every device.
     assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
     expected = jnp.einsum("btd,hkd->bthk", x, layer.weight)
