@@ -1,4 +1,4 @@
-"""`Linear` under a mesh: a dp-sharded batch and an sp-sharded sequence stay sharded."""
+"""`Linear` under a mesh (`jax.set_mesh`): a dp-sharded batch and an sp-sharded sequence stay sharded."""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,8 @@ def test_projection_keeps_batch_and_sequence_sharded():
     layer = Linear(64, (4, 16), axes=(None, None, None), key=jax.random.key(0))
     x = jax.device_put(jax.random.normal(jax.random.key(1), (4, 32, 64)), NamedSharding(mesh, P("dp", "sp", None)))
     step = jax.jit(lambda layer, x: layer(x), out_shardings=NamedSharding(mesh, P("dp", "sp", None, None)))
-    hlo = step.lower(layer, x).compile().as_text()
+    with jax.set_mesh(mesh):  # as the library runs sharded models
+        hlo = step.lower(layer, x).compile().as_text()
     assert hlo is not None
     # Merging [batch, seq] into one axis made GSPMD gather the sequence on every device.
     assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
