@@ -9,6 +9,7 @@ from .generation import Generation, generate, generate_text
 from .layers.lora import apply_lora, merge_lora
 from .loading import load
 from .loss import token_logprobs, weighted_cross_entropy
+from .policy import PolicyLoss, policy_loss
 from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, config_from_hf
 from .sampling import SamplingParams
 from .saving import save
@@ -23,6 +24,7 @@ __all__ = [
     "Generation",
     "LlamaConfig",
     "OptimizerConfig",
+    "PolicyLoss",
     "Qwen2Config",
     "Qwen3Config",
     "Qwen3MoeConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "logits",
     "make_mesh",
     "merge_lora",
+    "policy_loss",
     "save",
     "save_adapter",
     "shard",

@@ -17,6 +17,14 @@ class Batch(eqx.Module):
     the row, `0` for the padding after `lengths`. Tokens attend only within their
     document and RoPE positions restart at 0 in each, so every document is scored
     as if it ran alone.
+
+    The policy-gradient losses (`eqx_tx.policy_loss`, `TrainConfig.policy_loss`)
+    also read, per token: `sampler_logprobs` (the log-probability of each target
+    under the policy that sampled it), `advantages` (a per-sequence advantage is
+    repeated over the sequence's tokens), optionally `reference_logprobs` (a
+    reference policy's, for the KL penalty) and `group_ids` (which group of samples,
+    e.g. of one prompt, each token belongs to: `0 <= id < batch * seq`; for
+    `normalise="group"`).
     """
 
     input_ids: Int[HostOrDevice, "batch seq"]
@@ -24,3 +32,7 @@ class Batch(eqx.Module):
     loss_weights: Float[HostOrDevice, "batch seq"]
     lengths: Int[HostOrDevice, " batch"]
     segment_ids: Int[HostOrDevice, "batch seq"] | None = None
+    sampler_logprobs: Float[HostOrDevice, "batch seq"] | None = None
+    advantages: Float[HostOrDevice, "batch seq"] | None = None
+    reference_logprobs: Float[HostOrDevice, "batch seq"] | None = None
+    group_ids: Int[HostOrDevice, "batch seq"] | None = None

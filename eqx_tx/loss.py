@@ -9,6 +9,7 @@ so neither pass holds more than one `[chunk, vocab]` float32 tile.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -27,10 +28,22 @@ from .util import ceil_div
 DEFAULT_CHUNK_SIZE = 8192
 
 
+class TokenScores(NamedTuple):
+    """What `sequence_logprobs` computes per token."""
+
+    logprobs: Float[Array, "batch seq"]
+    """float32 log-probability of each target."""
+    entropy: Float[Array, "batch seq"] | None
+    """float32 entropy of each next-token distribution (`None` unless asked for)."""
+    router_stats: RouterStats | None
+    """MoE models: the router statistics of all layers (else `None`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Chunking:
     positions: int  # sequence positions per chunk (within a sequence shard)
     num_chunks: int
+    entropy: bool  # also return each token's entropy
 
 
 # Hidden states are handled as [batch, shards, positions, embed]: `shards` is the
@@ -49,53 +62,64 @@ def _target_logit(logits_bocv, targets_boc):
     return jnp.sum(jnp.where(hit, logits_bocv, 0.0), axis=-1), hit
 
 
+def _entropy(logits_bocv, lse_boc):
+    """`-sum(p log p) = lse - sum(p * logits)` per token."""
+    p = jnp.exp(logits_bocv - lse_boc[..., None])
+    return lse_boc - jnp.sum(p * logits_bocv, axis=-1)
+
+
+def _slice(x, i, c):
+    return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=2)
+
+
 def _forward(hidden, weight, targets, chunking: _Chunking):
+    """Per token: target log-prob, logsumexp, and entropy (zeros unless asked for)."""
     c = chunking.positions
 
     def chunk(i, carry):
-        logp, lse = carry
-        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=2)
-        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=2)
-        logits = _chunk_logits(h, weight)
-        lse_c = jax.nn.logsumexp(logits, axis=-1)
-        tgt, _ = _target_logit(logits, t)
-        logp = jax.lax.dynamic_update_slice_in_dim(logp, tgt - lse_c, i * c, axis=2)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * c, axis=2)
-        return logp, lse
+        logits = _chunk_logits(_slice(hidden, i, c), weight)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt, _ = _target_logit(logits, _slice(targets, i, c))
+        ent = _entropy(logits, lse) if chunking.entropy else jnp.zeros_like(lse)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(acc, x, i * c, axis=2)
+                     for acc, x in zip(carry, (tgt - lse, lse, ent)))
 
-    shape = targets.shape
-    init = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    init = tuple(jnp.zeros(targets.shape, jnp.float32) for _ in range(3))
     return jax.lax.fori_loop(0, chunking.num_chunks, chunk, init)
 
 
 @eqx.filter_custom_vjp
 def _chunked_logprobs(hidden_weight, targets, chunking):
     hidden, weight = hidden_weight
-    return _forward(hidden, weight, targets, chunking)[0]
+    logp, _, ent = _forward(hidden, weight, targets, chunking)
+    return logp, ent
 
 
 @_chunked_logprobs.def_fwd
 def _chunked_logprobs_fwd(perturbed, hidden_weight, targets, chunking):
     hidden, weight = hidden_weight
-    logp, lse = _forward(hidden, weight, targets, chunking)
-    return logp, lse
+    logp, lse, ent = _forward(hidden, weight, targets, chunking)
+    return (logp, ent), (lse, ent)
 
 
 @_chunked_logprobs.def_bwd
-def _chunked_logprobs_bwd(lse, g, perturbed, hidden_weight, targets, chunking):
+def _chunked_logprobs_bwd(residuals, g, perturbed, hidden_weight, targets, chunking):
     hidden, weight = hidden_weight
+    lse, ent = residuals
+    g_logp, g_ent = (jnp.zeros_like(lse) if x is None else x for x in g)
     c = chunking.positions
 
     def chunk(i, carry):
         d_hidden, d_weight = carry
-        h = jax.lax.dynamic_slice_in_dim(hidden, i * c, c, axis=2)
-        t = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=2)
-        g_c = jax.lax.dynamic_slice_in_dim(g, i * c, c, axis=2)
-        lse_c = jax.lax.dynamic_slice_in_dim(lse, i * c, c, axis=2)
+        h = _slice(hidden, i, c)
+        g_c, lse_c = _slice(g_logp, i, c)[..., None], _slice(lse, i, c)[..., None]
         logits = _chunk_logits(h, weight)
-        _, hit = _target_logit(logits, t)
-        # d logp / d logits = onehot(target) - softmax(logits)
-        d_logits = g_c[..., None] * (hit.astype(jnp.float32) - jnp.exp(logits - lse_c[..., None]))
+        _, hit = _target_logit(logits, _slice(targets, i, c))
+        p = jnp.exp(logits - lse_c)
+        # d logp / d logits = onehot(target) - p;  d entropy / d logits = -p * (log p + entropy)
+        d_logits = g_c * (hit.astype(jnp.float32) - p)
+        if chunking.entropy:
+            d_logits = d_logits - _slice(g_ent, i, c)[..., None] * p * (logits - lse_c + _slice(ent, i, c)[..., None])
         d_h = jnp.einsum("bocv,vd->bocd", d_logits.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
         d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
         d_weight = d_weight + jnp.einsum(
@@ -128,6 +152,20 @@ def chunked_logprobs(
 
     **Returns:** float32 log-probabilities `[batch, seq]`.
     """
+    return chunked_scores(hidden, weight, targets, chunk_size=chunk_size)[0]
+
+
+def chunked_scores(
+    hidden: Float[Array, "batch seq embed"],
+    weight: Float[Array, "vocab embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    entropy: bool = False,
+) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"] | None]:
+    """`chunked_logprobs`, and with `entropy=True` each token's entropy `-sum(p log p)`
+    of its next-token distribution too, computed in the same chunks and differentiable
+    (else `None`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, D = hidden.shape
@@ -142,8 +180,9 @@ def chunked_logprobs(
     if pad:
         hidden = jnp.pad(hidden, ((0, 0), (0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, 0), (0, pad)))
-    logp = _chunked_logprobs((hidden, weight), targets, _Chunking(positions, n))
-    return logp[:, :, :L].reshape(B, T)
+    logp, ent = _chunked_logprobs((hidden, weight), targets, _Chunking(positions, n, entropy))
+    logp, ent = (x[:, :, :L].reshape(B, T) for x in (logp, ent))
+    return logp, ent if entropy else None
 
 
 def sequence_logprobs(
@@ -155,17 +194,16 @@ def sequence_logprobs(
     compute: ComputeConfig,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     segment_ids: Int[Array, "batch seq"] | None = None,
-) -> tuple[Float[Array, "batch seq"], RouterStats | None]:
-    """The core of `token_logprobs` and of the training loss.
+    entropy: bool = False,
+) -> TokenScores:
+    """The core of `token_logprobs` and of the training and policy losses.
 
     Under context parallelism (a mesh with `sp > 1`) the tokens run in the
     load-balanced ring order and the log-probabilities are put back in the original
     order. `chunk_size=None` is the naive baseline for benchmarks: full
     `[batch, seq, vocab]` logits with plain autodiff. `segment_ids`: packed
-    documents (see `eqx_tx.Batch`).
-
-    **Returns:** float32 log-probabilities `[batch, seq]` and, for MoE models, the
-    router statistics of all layers (else `None`).
+    documents (see `eqx_tx.Batch`). `entropy`: also compute each token's entropy
+    (in the same LM-head chunks).
     """
     B, T = input_ids.shape
     sp = context_parallel_size()
@@ -184,13 +222,15 @@ def sequence_logprobs(
         rope_positions=rope_positions,
     )
     if chunk_size is None:
-        logits = model.head_logits(out.hidden)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), target_ids[..., None], -1)[..., 0]
+        logp_btv = jax.nn.log_softmax(model.head_logits(out.hidden), -1)
+        logp = jnp.take_along_axis(logp_btv, target_ids[..., None], -1)[..., 0]
+        ent = -jnp.sum(jnp.exp(logp_btv) * logp_btv, -1) if entropy else None
     else:
-        logp = chunked_logprobs(out.hidden, model.head_weight(), target_ids, chunk_size=chunk_size)
+        logp, ent = chunked_scores(out.hidden, model.head_weight(), target_ids, chunk_size=chunk_size, entropy=entropy)
     if order is not None:  # back to the original token order
-        logp = jnp.zeros_like(logp).at[:, order].set(logp)[:, :T]
-    return logp, out.router_stats
+        logp, ent = (None if x is None else jnp.zeros_like(x).at[:, order].set(x)[:, :T] for x in (logp, ent))
+    assert logp is not None
+    return TokenScores(logp, ent, out.router_stats)
 
 
 def token_logprobs(
@@ -226,7 +266,7 @@ def token_logprobs(
     B, T = input_ids.shape
     lengths, segment_ids = lengths_and_segments(attention_mask, segment_ids, T, B)
     return sequence_logprobs(model, input_ids, target_ids, lengths, compute=compute, chunk_size=chunk_size,
-                             segment_ids=segment_ids)[0]
+                             segment_ids=segment_ids).logprobs
 
 
 def weighted_cross_entropy(

@@ -22,6 +22,7 @@ from .forward import check_segment_ids
 from .layers.linear import Embedding, Linear
 from .layers.lora import trainable_filter
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
+from .policy import PolicyLoss, nonzero_count, policy_objective, token_coefficients
 from .models import CausalLM
 from .sharding import mesh_context
 
@@ -80,6 +81,9 @@ class TrainConfig:
     logits with plain autodiff (a baseline for benchmarks)."""
     compute: ComputeConfig = ComputeConfig()
     """Attention implementation, remat policy, sequence parallelism."""
+    policy_loss: PolicyLoss | None = None
+    """A policy-gradient objective (`eqx_tx.policy`) on sampled tokens; `None`: the
+    weighted cross entropy of supervised fine-tuning."""
 
     def __post_init__(self):
         if self.micro_batches < 1:
@@ -158,8 +162,8 @@ def init_train_state(model: CausalLM, config: TrainConfig, *, trainable=None) ->
     return TrainState(params=params, frozen=frozen, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
 
 
-def _split_micro_batches(batch: Batch, m: int) -> Batch:
-    """`[B, ...] -> [m, B/m, ...]`, micro-batch `i` holding rows `i, i+m, ...`.
+def _split_micro_batches(tree, m: int):
+    """Each `[B, ...]` array to `[m, B/m, ...]`, micro-batch `i` holding rows `i, i+m, ...`.
 
     The strided split keeps each device's rows on that device when the batch axis
     is sharded (the sharded axis stays the second one, not the scanned one).
@@ -169,43 +173,49 @@ def _split_micro_batches(batch: Batch, m: int) -> Batch:
         B = x.shape[0]
         return jnp.swapaxes(x.reshape(B // m, m, *x.shape[1:]), 0, 1)
 
-    return jax.tree.map(split, batch)
+    return jax.tree.map(split, tree)
 
 
-def _micro_batch_loss(params, frozen, batch: Batch, config: TrainConfig, count, micro_batches: int):
-    """This micro-batch's share of the step's loss: `sum(w * nll) / count` (`count`: the
-    whole batch's weighted tokens, so the shares add up to the full-batch loss), plus,
-    for MoE models, the load-balancing loss (its mean over micro-batches) times its
-    coefficient. Returns `(loss, (cross_entropy_share, load_balancing))`."""
+def _micro_batch_loss(params, frozen, batch: Batch, coefficients, config: TrainConfig, count, micro_batches: int):
+    """This micro-batch's share of the step's loss: `sum(coefficients * token_loss)`
+    (the coefficients of the whole batch: the shares add up to the full-batch loss),
+    plus, for MoE models, the load-balancing loss (its mean over micro-batches) times
+    its coefficient. Returns `(loss, metrics)`, metrics being shares too."""
     model = eqx.combine(params, frozen)
+    policy = config.policy_loss
     ids, targets, lengths = (jnp.asarray(x) for x in (batch.input_ids, batch.target_ids, batch.lengths))
     segments = None if batch.segment_ids is None else jnp.asarray(batch.segment_ids)
-    logp, stats = sequence_logprobs(model, ids, targets, lengths, compute=config.compute,
-                                    chunk_size=config.loss_chunk_size, segment_ids=segments)
-    ce = -jnp.sum(batch.loss_weights.astype(jnp.float32) * logp) / count
-    balance = stats.load_balancing_loss() if stats is not None else jnp.zeros(())
-    loss = ce + model.config.router_aux_loss_coef * balance / micro_batches
-    return loss, (ce, balance / micro_batches)
+    logp, entropy, stats = sequence_logprobs(model, ids, targets, lengths, compute=config.compute,
+                                             chunk_size=config.loss_chunk_size, segment_ids=segments,
+                                             entropy=policy is not None and policy.needs_entropy)
+    if policy is None:
+        objective, metrics = -jnp.sum(coefficients * logp), {}
+    else:
+        objective, metrics = policy_objective(logp, entropy, batch, coefficients, count, policy)
+    balance = stats.load_balancing_loss() / micro_batches if stats is not None else jnp.zeros(())
+    loss = objective + model.config.router_aux_loss_coef * balance
+    return loss, {"loss": objective, "load_balancing_loss": balance, **metrics}
 
 
-def _loss_and_grads(params, frozen, batch: Batch, config: TrainConfig, count):
-    """The step's loss, its parts, and float32 gradients, accumulated over micro-batches."""
-    grad_fn = jax.value_and_grad(_micro_batch_loss, has_aux=True)
+def _loss_and_grads(params, frozen, batch: Batch, coefficients, config: TrainConfig, count):
+    """The step's metrics and float32 gradients, accumulated over micro-batches."""
+    grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
     m = config.micro_batches
     if m == 1:
-        (loss, parts), grads = grad_fn(params, frozen, batch, config, count, 1)
-        return loss, parts, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grads, metrics = grad_fn(params, frozen, batch, coefficients, config, count, 1)
+        return metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     def body(carry, micro):
-        loss_sum, parts_sum, grad_sum = carry
-        (loss, parts), grads = grad_fn(params, frozen, micro, config, count, m)
+        metrics_sum, grad_sum = carry
+        grads, metrics = grad_fn(params, frozen, *micro, config, count, m)
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-        return (loss_sum + loss, jax.tree.map(jnp.add, parts_sum, parts), grad_sum), None
+        return (jax.tree.map(jnp.add, metrics_sum, metrics), grad_sum), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    init = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(())), zeros)
-    (loss, parts, grads), _ = jax.lax.scan(body, init, _split_micro_batches(batch, m))
-    return loss, parts, grads
+    shapes = jax.eval_shape(lambda: grad_fn(params, frozen, batch, coefficients, config, count, m)[1])
+    init = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros)
+    (metrics, grads), _ = jax.lax.scan(body, init, _split_micro_batches((batch, coefficients), m))
+    return metrics, grads
 
 
 @functools.partial(jax.jit, static_argnames="config", donate_argnames=("params", "opt_state", "step"))
@@ -215,15 +225,18 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     Not returning `frozen` matters: a returned input that is not donated would be
     copied, doubling the memory of the frozen base weights in a LoRA run.
     """
-    count = jnp.maximum(jnp.sum(batch.loss_weights != 0), 1).astype(jnp.float32)
-    loss, (ce, balance), grads = _loss_and_grads(params, frozen, batch, config, count)
+    count = nonzero_count(batch.loss_weights)
+    if config.policy_loss is None:
+        coefficients = jnp.asarray(batch.loss_weights, jnp.float32) / count
+    else:
+        coefficients = token_coefficients(batch, config.policy_loss.normalise)
+    metrics, grads = _loss_and_grads(params, frozen, batch, coefficients, config, count)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     optimizer = make_optimizer(config.optimizer, params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = {
-        "loss": ce,
-        "load_balancing_loss": balance,
+        **metrics,
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": config.optimizer.schedule(step),
         "tokens": jnp.sum(batch.loss_weights != 0),
@@ -237,12 +250,16 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     The trainable parameters, optimizer state and step of `state` are donated
     (their buffers are reused for the new state); the frozen part is not touched.
 
-    **Returns:** the new state and metrics: `loss` (mean weighted token NLL),
-    `load_balancing_loss` (MoE; added to the objective times the config's
-    `router_aux_loss_coef`), `grad_norm` (before clipping), `learning_rate` (used
-    for this step), `tokens` (number of weighted tokens).
+    **Returns:** the new state and metrics: `loss` (the mean weighted token NLL, or
+    the policy loss with its KL and entropy terms), `load_balancing_loss` (MoE;
+    added to the objective times the config's `router_aux_loss_coef`), `grad_norm`
+    (before clipping), `learning_rate` (used for this step), `tokens` (number of
+    weighted tokens), and with `config.policy_loss` the metrics of
+    `eqx_tx.policy.policy_objective`.
     """
     config.check_batch(batch.input_ids.shape[0])
+    if config.policy_loss is not None:
+        config.policy_loss.check_batch(batch)
     if batch.segment_ids is not None:
         check_segment_ids(batch.segment_ids, batch.lengths)
     with mesh_context(state):

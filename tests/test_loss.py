@@ -10,7 +10,7 @@ import torch
 import eqx_tx
 from eqx_tx.forward import _logits, lengths_from_mask
 from eqx_tx.hf_params import hf_tensors
-from eqx_tx.loss import chunked_logprobs, token_logprobs, weighted_cross_entropy
+from eqx_tx.loss import chunked_logprobs, chunked_scores, token_logprobs, weighted_cross_entropy
 from tests.hf_utils import hf_model, ragged_batch
 
 LENGTHS = [9, 6]  # batch*seq = 18 tokens
@@ -111,6 +111,35 @@ def test_chunked_loss_memory_below_one_logits_buffer():
     assert chunked < logits_bytes / 2, (chunked, logits_bytes)
     assert smaller < chunked / 2  # memory follows the chunk, not the token count
     assert unchunked > logits_bytes  # the same code without chunking does hold the logits
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 26, 100])
+def test_chunked_entropy_values_and_grads(chunk_size):
+    """Entropy from the chunks (and the gradient through log-probs and entropy together)
+    equals full-softmax autodiff; an unused entropy output leaves the gradient as it was."""
+    k = jax.random.split(jax.random.key(0), 5)
+    B, T, D, V = 2, 13, 8, 50
+    hidden, weight = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (V, D))
+    targets = jax.random.randint(k[2], (B, T), 0, V)
+    a, b = jax.random.normal(k[3], (B, T)), jax.random.normal(k[4], (B, T))
+
+    def reference(hidden, weight):
+        logp = jax.nn.log_softmax(hidden @ weight.T, -1)
+        return jnp.take_along_axis(logp, targets[..., None], -1)[..., 0], -jnp.sum(jnp.exp(logp) * logp, -1)
+
+    def ours(hidden, weight):
+        return chunked_scores(hidden, weight, targets, chunk_size=chunk_size, entropy=True)
+
+    for x, y in zip(ours(hidden, weight), reference(hidden, weight)):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    for a_coef, b_coef in ((a, b), (a, 0.0)):
+        def objective(fn):
+            return lambda h, w: jnp.sum(a_coef * fn(h, w)[0]) + jnp.sum(b_coef * fn(h, w)[1])
+
+        got = jax.jit(jax.grad(objective(ours), argnums=(0, 1)))(hidden, weight)
+        want = jax.grad(objective(reference), argnums=(0, 1))(hidden, weight)
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-5)
 
 
 def test_bad_chunk_size():
