@@ -160,14 +160,15 @@ def packed_train_step(args: Args) -> dict[str, float]:
     model = eqx_tx.init_model(config, key=jax.random.key(0))
     params, frozen = eqx.partition(model, eqx.is_array)
     train = TrainConfig(loss_chunk_size=2048, compute=eqx_tx.ComputeConfig(attention="blockwise"))
-    step = jax.jit(_loss_and_grads, static_argnums=3)
+    step = jax.jit(_loss_and_grads, static_argnums=4)
 
     def run(ex: Examples):
         b = ex.batch(0, len(ex))
         batch = Batch(*(jnp.asarray(x) for x in (b.input_ids, b.target_ids, b.loss_weights, b.lengths)),
                       segment_ids=None if b.segment_ids is None else jnp.asarray(b.segment_ids))
         count = jnp.float32(np.sum(ex.weights))
-        return _median_seconds(lambda p, f, bt: step(p, f, bt, train, count), params, frozen, batch,
+        coefficients = jnp.asarray(batch.loss_weights, jnp.float32) / count
+        return _median_seconds(lambda p, f, bt: step(p, f, bt, coefficients, train, count), params, frozen, batch,
                                repeats=args.repeats)
 
     return {"packed (segment ids)": run(packed), "padded (one document per row)": run(padded)}

@@ -60,13 +60,15 @@ def _loss_grads(model, batch, compute, mesh=None):
     config = TrainConfig(loss_chunk_size=16, compute=compute)
     params, frozen = eqx.partition(model, eqx.is_array)
     count = jnp.float32(np.sum(np.asarray(batch.loss_weights) != 0))
-    step = jax.jit(_loss_and_grads, static_argnums=3)
+    coefficients = jnp.asarray(batch.loss_weights, jnp.float32) / count  # the step's token weights
+    step = jax.jit(_loss_and_grads, static_argnums=4)
     if mesh is None:
-        loss, _, grads = step(params, frozen, batch, config, count)
+        metrics, grads = step(params, frozen, batch, coefficients, config, count)
     else:
         with jax.set_mesh(mesh):
-            loss, _, grads = step(params, frozen, jax.device_put(batch, NamedSharding(mesh, P("dp"))), config, count)
-    return float(loss), jax.tree.leaves(grads)
+            b, c = jax.device_put((batch, coefficients), NamedSharding(mesh, P("dp")))
+            metrics, grads = step(params, frozen, b, c, config, count)
+    return float(metrics["loss"]), jax.tree.leaves(grads)
 
 
 @pytest.fixture(scope="module")
