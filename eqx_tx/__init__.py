@@ -6,7 +6,7 @@ from .batch import Batch
 from .compute import ComputeConfig
 from .forward import init_model, logits
 from .generation import Generation, generate, generate_text
-from .layers.lora import apply_lora, merge_lora
+from .layers.lora import adapter_slot, apply_lora, merge_lora, select_adapters, set_adapter_slot
 from .loading import load
 from .loss import token_logprobs, weighted_cross_entropy
 from .policy import PolicyLoss, policy_loss
@@ -33,6 +33,7 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "Tokenizer",
+    "adapter_slot",
     "apply_chat_template",
     "apply_lora",
     "config_from_hf",
@@ -50,6 +51,8 @@ __all__ = [
     "policy_loss",
     "save",
     "save_adapter",
+    "select_adapters",
+    "set_adapter_slot",
     "shard",
     "token_logprobs",
     "train_step",

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from .distributed import to_host
 from .fileio import atomic_directory, barrier, open_safetensors
 from .hf_params import hf_tensors
-from .layers.lora import apply_lora, lora_settings
+from .layers.lora import adapter_slot, apply_lora, has_bank, lora_settings, set_adapter_slot, without_adapters
 from .loading import read_arrays
 from .sharding import RULES, mesh_of, tree_shardings
 
@@ -26,11 +26,20 @@ def _adapter_specs(model):
     return [s for s in hf_tensors(model) if ".lora_A." in s.name or ".lora_B." in s.name]
 
 
-def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
+def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                 slot: int | None = None) -> None:
     """Write `model`'s LoRA adapters as a PEFT adapter directory, atomically.
 
-    Loadable with `peft.PeftModel.from_pretrained(base, directory)`.
+    Loadable with `peft.PeftModel.from_pretrained(base, directory)`. For a model with
+    an adapter bank, `slot` says which adapter to write.
     """
+    if has_bank(model):
+        if slot is None:
+            raise ValueError(f"the model holds a bank of {lora_settings(model)['adapters']} adapters: "
+                             "pass slot= to say which one to save")
+        model = adapter_slot(model, slot)
+    elif slot is not None:
+        raise ValueError("slot= given, but the model has no adapter bank")
     settings = lora_settings(model)
     tensors = {}
     for spec in _adapter_specs(model):
@@ -60,8 +69,16 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
     barrier("eqx_tx-save-adapter")
 
 
-def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32):
-    """Attach the PEFT LoRA adapter in `directory` to `model` (sharded like the model)."""
+def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32, slot: int | None = None):
+    """Attach the PEFT LoRA adapter in `directory` to `model` (sharded like the model).
+
+    With `slot`, `model` holds an adapter bank (`apply_lora(..., adapters=n)`) and the
+    adapter is written into its slot `slot` (same targets, rank and alpha as the bank).
+    """
+    if slot is not None:
+        if not has_bank(model):
+            raise ValueError("slot= given, but the model has no adapter bank")
+        return set_adapter_slot(model, slot, load_adapter(without_adapters(model), directory, dtype=dtype))
     directory = os.fspath(directory)
     config_path = os.path.join(directory, ADAPTER_CONFIG)
     weights_path = os.path.join(directory, ADAPTER_WEIGHTS)

@@ -25,6 +25,10 @@ class Batch(eqx.Module):
     reference policy's, for the KL penalty) and `group_ids` (which group of samples,
     e.g. of one prompt, each token belongs to: `0 <= id < batch * seq`; for
     `normalise="group"`).
+
+    `adapter_ids` (for a model with a LoRA bank, `apply_lora(..., adapters=n)`) names
+    each row's adapter. Each adapter's loss is normalised over its own rows, as if it
+    trained alone; the step's loss is their sum.
     """
 
     input_ids: Int[HostOrDevice, "batch seq"]
@@ -36,3 +40,4 @@ class Batch(eqx.Module):
     advantages: Float[HostOrDevice, "batch seq"] | None = None
     reference_logprobs: Float[HostOrDevice, "batch seq"] | None = None
     group_ids: Int[HostOrDevice, "batch seq"] | None = None
+    adapter_ids: Int[HostOrDevice, " batch"] | None = None

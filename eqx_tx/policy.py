@@ -41,13 +41,13 @@ from typing import Literal, get_args
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .batch import Batch
 from .compute import ComputeConfig
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from .models import CausalLM
+from .util import concrete_value
 
 PolicyLossKind = Literal["ppo", "is", "cispo", "gspo"]
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLossKind)
@@ -103,20 +103,10 @@ class PolicyLoss:
                                  f"normalise={self.normalise!r})")
             if tuple(x.shape) != shape:
                 raise ValueError(f"Batch.{name} has shape {tuple(x.shape)}, expected {shape} like input_ids")
-        groups = _concrete(batch.group_ids) if self.normalise == "group" else None
+        groups = concrete_value(batch.group_ids) if self.normalise == "group" else None
         if groups is not None and groups.size and (groups.min() < 0 or groups.max() >= groups.size):
             raise ValueError(f"Batch.group_ids must lie in [0, batch * seq = {groups.size}), "
                              f"got [{groups.min()}, {groups.max()}]")
-
-
-def _concrete(x) -> np.ndarray | None:
-    """`x` as numpy if its value is known on this host (not a tracer, not sharded across hosts)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return None
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
 
 
 def _per_sequence(x, ids, num: int):

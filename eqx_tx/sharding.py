@@ -48,6 +48,7 @@ RULES: Mapping[str, MeshAxes] = {
     "mlp": "tp",
     "norm": None,
     "lora_rank": None,
+    "adapters": None,  # a LoRA bank's adapter slots (replicated: each row may use any)
     "experts": "ep",
     "router": None,
     # activations

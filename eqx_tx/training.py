@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from .bank_optimizer import adapters_present, init_bank_state, update_bank
 from .batch import Batch
 from .compute import ComputeConfig
 from .forward import check_segment_ids
 from .layers.linear import Embedding, Linear
-from .layers.lora import trainable_filter
+from .layers.lora import check_adapter_ids, has_bank, lora_settings, select_adapters, trainable_filter
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
-from .policy import PolicyLoss, nonzero_count, policy_objective, token_coefficients
 from .models import CausalLM
+from .policy import PolicyLoss, nonzero_count, policy_objective, token_coefficients
 from .sharding import mesh_context
 
 
@@ -158,7 +159,8 @@ def init_train_state(model: CausalLM, config: TrainConfig, *, trainable=None) ->
     if trainable is None:
         trainable = trainable_filter(model)
     params, frozen = eqx.partition(model, trainable)
-    opt_state = make_optimizer(config.optimizer, params).init(params)
+    optimizer = make_optimizer(config.optimizer, params)
+    opt_state = init_bank_state(optimizer, params) if has_bank(params) else optimizer.init(params)
     return TrainState(params=params, frozen=frozen, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
 
 
@@ -182,6 +184,8 @@ def _micro_batch_loss(params, frozen, batch: Batch, coefficients, config: TrainC
     plus, for MoE models, the load-balancing loss (its mean over micro-batches) times
     its coefficient. Returns `(loss, metrics)`, metrics being shares too."""
     model = eqx.combine(params, frozen)
+    if batch.adapter_ids is not None:
+        model = select_adapters(model, jnp.asarray(batch.adapter_ids))
     policy = config.policy_loss
     ids, targets, lengths = (jnp.asarray(x) for x in (batch.input_ids, batch.target_ids, batch.lengths))
     segments = None if batch.segment_ids is None else jnp.asarray(batch.segment_ids)
@@ -218,6 +222,25 @@ def _loss_and_grads(params, frozen, batch: Batch, coefficients, config: TrainCon
     return metrics, grads
 
 
+def _coefficients(batch: Batch, config: TrainConfig, adapters: int | None) -> Float[Array, "batch seq"]:
+    """Each token's weight in the step's loss, `loss = sum(coefficients * token_loss)`.
+
+    With a bank of `adapters`, each adapter's rows are normalised as if they were the
+    whole batch (its own training run), and the step's loss is the sum over adapters.
+    """
+
+    def alone(weights):
+        if config.policy_loss is None:
+            return weights / nonzero_count(weights)
+        return token_coefficients(dataclasses.replace(batch, loss_weights=weights), config.policy_loss.normalise)
+
+    weights = jnp.asarray(batch.loss_weights, jnp.float32)
+    if adapters is None:
+        return alone(weights)
+    ids = jnp.asarray(batch.adapter_ids)
+    return jnp.sum(jax.vmap(lambda k: alone(weights * (ids == k)[:, None]))(jnp.arange(adapters)), axis=0)
+
+
 @functools.partial(jax.jit, static_argnames="config", donate_argnames=("params", "opt_state", "step"))
 def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainConfig):
     """The jitted step: donates the trainable state; the frozen part is only read.
@@ -226,15 +249,18 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     copied, doubling the memory of the frozen base weights in a LoRA run.
     """
     count = nonzero_count(batch.loss_weights)
-    if config.policy_loss is None:
-        coefficients = jnp.asarray(batch.loss_weights, jnp.float32) / count
-    else:
-        coefficients = token_coefficients(batch, config.policy_loss.normalise)
+    bank = has_bank(params)
+    coefficients = _coefficients(batch, config, lora_settings(params)["adapters"] if bank else None)
     metrics, grads = _loss_and_grads(params, frozen, batch, coefficients, config, count)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     optimizer = make_optimizer(config.optimizer, params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    if bank:
+        assert batch.adapter_ids is not None
+        present = adapters_present(jnp.asarray(batch.adapter_ids), batch.loss_weights, lora_settings(params)["adapters"])
+        params, opt_state = update_bank(optimizer, grads, opt_state, params, present)
+    else:
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
     metrics = {
         **metrics,
         "grad_norm": optax.tree.norm(grads),
@@ -260,6 +286,7 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     config.check_batch(batch.input_ids.shape[0])
     if config.policy_loss is not None:
         config.policy_loss.check_batch(batch)
+    check_adapter_ids(state.params, batch.adapter_ids, batch.input_ids.shape[0])
     if batch.segment_ids is not None:
         check_segment_ids(batch.segment_ids, batch.lengths)
     with mesh_context(state):

@@ -1,0 +1,139 @@
+"""A bank of LoRA adapters in one batch equals each adapter run alone."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_tx
+from eqx_tx.training import _coefficients, _loss_and_grads
+from tests.hf_utils import ragged_batch
+
+ADAPTERS = 4
+ROW_ADAPTERS = np.array([2, 0, 2, 1, 0, 2])  # adapter 3 is not in the batch
+LENGTHS = [9, 6, 8, 9, 5, 7]
+
+
+def _bank(path):
+    """A 4-adapter bank whose adapters all differ (B randomised: it starts at zero)."""
+    model = eqx_tx.load(path, progress=False)
+    bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
+                             adapters=ADAPTERS, key=jax.random.key(1))
+    leaves = eqx_tx.layers.lora.lora_filter(bank)
+    keys = iter(jax.random.split(jax.random.key(2), 100))
+    return jax.tree.map(lambda x, train: x + 0.05 * jax.random.normal(next(keys), x.shape) if train else x,
+                        bank, leaves)
+
+
+def _batch(vocab, rows=slice(None)) -> eqx_tx.Batch:
+    ids, mask = ragged_batch(vocab, LENGTHS, seed=3)
+    weights = mask.astype(np.float32)
+    weights[:, :2] = 0.0  # a prompt
+    return eqx_tx.Batch(ids[rows], np.roll(ids, -1, 1)[rows], weights[rows], mask.sum(1).astype(np.int32)[rows],
+                        adapter_ids=ROW_ADAPTERS[rows].astype(np.int32))
+
+
+def _alone(batch: eqx_tx.Batch) -> eqx_tx.Batch:
+    return dataclasses.replace(batch, adapter_ids=None)
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
+
+
+def test_bank_logits_equal_each_adapter_alone(checkpoints):
+    bank = _bank(checkpoints["gqa_untied"])
+    b = _batch(bank.config.vocab_size)
+    mask = np.arange(b.input_ids.shape[1]) < b.lengths[:, None]
+    together = eqx_tx.logits(eqx_tx.select_adapters(bank, b.adapter_ids), b.input_ids, attention_mask=mask)
+    base = eqx_tx.logits(eqx_tx.layers.lora.without_adapters(bank), b.input_ids)
+    for row, k in enumerate(ROW_ADAPTERS):
+        n = LENGTHS[row]
+        alone = eqx_tx.logits(eqx_tx.adapter_slot(bank, int(k)), b.input_ids[row : row + 1, :n])
+        np.testing.assert_allclose(together[row, :n], alone[0], atol=1e-5)
+        assert np.max(np.abs(np.asarray(together[row, :n] - base[row, :n]))) > 1e-2  # the adapter does act
+
+
+def test_bank_gradients_and_adamw_steps_equal_separate_runs(checkpoints):
+    """Gradients, then two AdamW steps (the second without adapter 1's rows): each adapter
+    moves exactly as in its own run; adapter 3, never in a batch, is untouched."""
+    bank = _bank(checkpoints["gqa_untied"])
+    V = bank.config.vocab_size
+    config = eqx_tx.TrainConfig(
+        optimizer=eqx_tx.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=10, weight_decay=0.1,
+                                         max_grad_norm=0.05),  # clipping acts, per adapter
+        loss_chunk_size=7,
+    )
+    batches = [_batch(V), _batch(V, np.flatnonzero(ROW_ADAPTERS != 1))]
+
+    # gradients of the first batch: the bank's slot k equals adapter k's own gradient
+    state = eqx_tx.init_train_state(bank, config)
+    b = jax.tree.map(jnp.asarray, batches[0])
+    coefficients = _coefficients(b, config, ADAPTERS)
+    _, grads = jax.jit(_loss_and_grads, static_argnums=4)(state.params, state.frozen, b, coefficients, config,
+                                                          jnp.float32(1))
+    grads = eqx.combine(grads, state.frozen)
+    for k in range(3):
+        single = eqx_tx.init_train_state(eqx_tx.adapter_slot(bank, k), config)
+        rows = jax.tree.map(jnp.asarray, _alone(_batch(V, np.flatnonzero(ROW_ADAPTERS == k))))
+        c = _coefficients(rows, config, None)
+        _, g = jax.jit(_loss_and_grads, static_argnums=4)(single.params, single.frozen, rows, c, config, jnp.float32(1))
+        mine = eqx.filter(eqx_tx.adapter_slot(grads, k), eqx.is_array)
+        for x, y in zip(jax.tree.leaves(eqx.filter(mine, eqx_tx.layers.lora.lora_filter(mine))), jax.tree.leaves(g)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+    # two steps of the bank vs each adapter's own run on its rows
+    state = eqx_tx.init_train_state(_copy(bank), config)
+    for batch in batches:
+        state, _ = eqx_tx.train_step(state, batch, config)
+    trained = state.model
+    for k in range(ADAPTERS):
+        single = eqx_tx.init_train_state(eqx_tx.adapter_slot(_copy(bank), k), config)
+        for batch in batches:
+            rows = np.flatnonzero(batch.adapter_ids == k)
+            if len(rows):
+                single, _ = eqx_tx.train_step(single, _alone(jax.tree.map(lambda x: x[rows], batch)), config)
+        ours = eqx_tx.adapter_slot(trained, k)
+        steps = int(sum(np.any(b.adapter_ids == k) for b in batches))
+        assert steps == {0: 2, 1: 1, 2: 2, 3: 0}[k]
+        for x, y, start in zip(*(jax.tree.leaves(eqx.filter(m, eqx_tx.layers.lora.lora_filter(m)))
+                                 for m in (ours, single.model, eqx_tx.adapter_slot(bank, k)))):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+            if steps == 0:
+                np.testing.assert_array_equal(x, start)
+    counts = [x for x in jax.tree.leaves(state.opt_state) if x.dtype == jnp.int32 and x.shape == (ADAPTERS,)]
+    assert counts and all(list(c) == [2, 1, 2, 0] for c in counts)
+
+
+def test_bank_adapters_save_and_load_one_by_one(checkpoints, tmp_path):
+    bank = _bank(checkpoints["gqa_untied"])
+    eqx_tx.save_adapter(bank, tmp_path / "one", slot=1)
+    loaded = eqx_tx.load_adapter(bank, tmp_path / "one", slot=3)
+    for x, y in zip(jax.tree.leaves(eqx_tx.adapter_slot(loaded, 3)), jax.tree.leaves(eqx_tx.adapter_slot(bank, 1))):
+        np.testing.assert_array_equal(x, y)
+    for k in (0, 1, 2):  # the other slots are as they were
+        for x, y in zip(jax.tree.leaves(eqx_tx.adapter_slot(loaded, k)), jax.tree.leaves(eqx_tx.adapter_slot(bank, k))):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="pass slot="):
+        eqx_tx.save_adapter(bank, tmp_path / "two")
+    other = eqx_tx.apply_lora(eqx_tx.load(checkpoints["gqa_untied"], progress=False), rank=2, alpha=8.0,
+                              key=jax.random.key(0))
+    eqx_tx.save_adapter(other, tmp_path / "rank2")
+    with pytest.raises(ValueError, match="does not fit the bank"):
+        eqx_tx.load_adapter(bank, tmp_path / "rank2", slot=0)
+
+
+def test_bank_needs_adapter_ids(checkpoints):
+    bank = _bank(checkpoints["gqa_untied"])
+    config = eqx_tx.TrainConfig()
+    state = eqx_tx.init_train_state(bank, config)
+    b = _batch(bank.config.vocab_size)
+    with pytest.raises(ValueError, match="adapter_ids must name each row"):
+        eqx_tx.train_step(state, _alone(b), config)
+    with pytest.raises(ValueError, match=r"adapter_ids must lie in \[0, 4\)"):
+        eqx_tx.train_step(state, dataclasses.replace(b, adapter_ids=b.adapter_ids + 2), config)
+    with pytest.raises(ValueError, match="choose one per sequence"):
+        eqx_tx.logits(bank, b.input_ids)
