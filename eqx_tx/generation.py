@@ -23,6 +23,7 @@ from .compute import ComputeConfig
 from .distributed import to_host
 from .layers.attention import AttentionMask
 from .layers.kv_cache import Cache, KVCache, SharedPrefixCache
+from .layers.lora import check_adapter_ids, select_adapters
 from .models import CausalLM
 from .models.transformer import new_cache
 from .sampling import SamplerArrays, SamplingParams, sample_batch
@@ -303,6 +304,7 @@ def generate(
     compute: ComputeConfig = ComputeConfig(),
     stream_every: int | None = None,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
+    adapters: Sequence[int] | None = None,
 ) -> list[Generation]:
     """Sample continuations of a batch of prompts.
 
@@ -321,6 +323,8 @@ def generate(
     - `compute`: attention implementation etc.
     - `stream_every`, `on_tokens`: call `on_tokens(new tokens per sequence)` every
       `stream_every` decode steps (the decode loop runs in segments between calls).
+    - `adapters`: for a model with a LoRA bank, the adapter of each prompt (its `n`
+      samples use it too).
 
     **Returns:** `len(prompts) * n` `Generation`s, prompt-major: sample `j` of prompt
     `i` is at index `i * n + j`.
@@ -329,9 +333,15 @@ def generate(
     prompts, params = _check_requests(config, prompts, params, n, prefill_chunk_size)
     plan, sequence_params, samples = _plan(prompts, params, n, share_prefix, prefill_chunk_size)
     sampler = SamplerArrays.from_params(sequence_params, config.eos_token_ids, config.vocab_size, samples)
+    ids = None if adapters is None else np.asarray(adapters, np.int32)
+    check_adapter_ids(model, ids, len(prompts), name="adapters")
+    prefill_model = decode_model = model
+    if ids is not None:  # prefill rows: prompts (or n copies of each); decode rows: n samples of each prompt
+        prefill_model = select_adapters(model, ids if plan.shared else np.repeat(ids, plan.P // len(prompts)))
+        decode_model = select_adapters(model, np.repeat(ids, plan.S // len(prompts)))
     with mesh_context(model):
-        state = _prefill_state(model, plan, cache_dtype, compute)
-        state = _decode_streaming(model, state, sampler, compute=compute, stream_every=stream_every,
+        state = _prefill_state(prefill_model, plan, cache_dtype, compute)
+        state = _decode_streaming(decode_model, state, sampler, compute=compute, stream_every=stream_every,
                                   on_tokens=on_tokens)
     return _results(state)
 

@@ -185,7 +185,7 @@ def _micro_batch_loss(params, frozen, batch: Batch, coefficients, config: TrainC
     its coefficient. Returns `(loss, metrics)`, metrics being shares too."""
     model = eqx.combine(params, frozen)
     if batch.adapter_ids is not None:
-        model = select_adapters(model, jnp.asarray(batch.adapter_ids))
+        model = select_adapters(model, batch.adapter_ids)
     policy = config.policy_loss
     ids, targets, lengths = (jnp.asarray(x) for x in (batch.input_ids, batch.target_ids, batch.lengths))
     segments = None if batch.segment_ids is None else jnp.asarray(batch.segment_ids)

@@ -18,7 +18,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ..sharding import HasAxes
 from ..util import concrete_value
@@ -309,7 +309,7 @@ def _banks(model) -> list[tuple[tuple[str, ...], LoRABank]]:
     return [(path, node) for path, node in _projections(model, ALL_TARGETS, experts=True) if isinstance(node, LoRABank)]
 
 
-def select_adapters(model, ids: Int[Array, " batch"]):
+def select_adapters(model, ids: Int[ArrayLike, " batch"]):
     """Choose the adapter of each sequence: row `b` of the next batch uses adapter
     `ids[b]` of every `LoRABank` in `model`.
 
@@ -332,21 +332,22 @@ def select_adapters(model, ids: Int[Array, " batch"]):
                        is_leaf=lambda x: x is None)
 
 
-def check_adapter_ids(model, adapter_ids, batch: int) -> None:
-    """Raise unless `adapter_ids` names an adapter of `model`'s bank for each of the
-    `batch` rows (values checked when concrete), or both are absent."""
+def check_adapter_ids(model, adapter_ids, batch: int, *, name: str = "adapter_ids") -> None:
+    """Raise unless `adapter_ids` (called `name` in messages) names an adapter of
+    `model`'s bank for each of the `batch` rows (values checked when concrete), or
+    both are absent."""
     n = lora_settings(model)["adapters"] if has_bank(model) else None
     if n is None:
         if adapter_ids is not None:
-            raise ValueError("adapter_ids given, but the model has no LoRA adapter bank (apply_lora(..., adapters=n))")
+            raise ValueError(f"{name} given, but the model has no LoRA adapter bank (apply_lora(..., adapters=n))")
         return
     if adapter_ids is None:
-        raise ValueError(f"the model holds a bank of {n} LoRA adapters: adapter_ids must name each row's adapter")
+        raise ValueError(f"the model holds a bank of {n} LoRA adapters: {name} must name each sequence's adapter")
     if tuple(adapter_ids.shape) != (batch,):
-        raise ValueError(f"adapter_ids has shape {tuple(adapter_ids.shape)}, expected ({batch},): one per row")
+        raise ValueError(f"{name} has shape {tuple(adapter_ids.shape)}, expected ({batch},): one per sequence")
     ids = concrete_value(adapter_ids)
     if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= n):
-        raise ValueError(f"adapter_ids must lie in [0, {n}) (the bank's adapters), got [{ids.min()}, {ids.max()}]")
+        raise ValueError(f"{name} must lie in [0, {n}) (the bank's adapters), got [{ids.min()}, {ids.max()}]")
 
 
 def adapter_slot(model, slot: int):

@@ -131,9 +131,31 @@ def test_bank_needs_adapter_ids(checkpoints):
     config = eqx_tx.TrainConfig()
     state = eqx_tx.init_train_state(bank, config)
     b = _batch(bank.config.vocab_size)
-    with pytest.raises(ValueError, match="adapter_ids must name each row"):
+    with pytest.raises(ValueError, match="adapter_ids must name each sequence"):
         eqx_tx.train_step(state, _alone(b), config)
     with pytest.raises(ValueError, match=r"adapter_ids must lie in \[0, 4\)"):
         eqx_tx.train_step(state, dataclasses.replace(b, adapter_ids=b.adapter_ids + 2), config)
     with pytest.raises(ValueError, match="choose one per sequence"):
         eqx_tx.logits(bank, b.input_ids)
+
+
+@pytest.mark.parametrize("n,share_prefix", [(2, True), (2, False)])
+def test_bank_generate_equals_each_adapter_alone(checkpoints, n, share_prefix):
+    """Each prompt sampled with its own adapter (greedy and seeded), in one batch, gives
+    the tokens and log-probs of that adapter's model run on the prompt alone."""
+    bank = _bank(checkpoints["gqa_untied"])
+    prompts = [[5, 9, 2, 7], [11, 3], [8, 8, 1, 4, 6, 2], [1, 2, 3]]
+    adapters = [2, 0, 1, 2]
+    params = [eqx_tx.SamplingParams(max_new_tokens=6, temperature=0.0),
+              eqx_tx.SamplingParams(max_new_tokens=4, temperature=1.0, seed=3),
+              eqx_tx.SamplingParams(max_new_tokens=6, temperature=0.8, top_k=10, seed=5),
+              eqx_tx.SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, seed=7)]
+    together = eqx_tx.generate(bank, prompts, params, n=n, share_prefix=share_prefix, adapters=adapters)
+    for i, (prompt, k, sp) in enumerate(zip(prompts, adapters, params)):
+        alone = eqx_tx.generate(eqx_tx.adapter_slot(bank, k), [prompt], sp, n=n, share_prefix=share_prefix)
+        for j in range(n):
+            got, want = together[i * n + j], alone[j]
+            assert got.tokens == want.tokens, (i, j)
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="adapters must name each sequence"):
+        eqx_tx.generate(bank, prompts, params)
