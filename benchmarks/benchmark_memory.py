@@ -102,6 +102,8 @@ class Args:
     """Train all weights instead of LoRA rank-32 adapters on every projection (frozen base;
     attention projections only for MoE models)."""
     lora_rank: int = 32
+    lora_adapters: int | None = None
+    """Train a bank of this many LoRA adapters (one per sequence) instead of one."""
     prefill_chunk_size: int | None = None
     """Prefill this many positions at a time (default: the stage's; whole prompt before stage 6)."""
     run_steps: int = 3
@@ -327,7 +329,8 @@ def main(args: Args) -> None:
 
         mesh = target_mesh(args.target, ep=args.ep, sp=args.sp, tp=args.tp)
         rank = 0 if (args.mode == "sample" or args.full_finetune) else args.lora_rank
-        model = abstract_sharded_model(_config(args), mesh, jnp.dtype(args.dtype), lora_rank=rank)
+        model = abstract_sharded_model(_config(args), mesh, jnp.dtype(args.dtype), lora_rank=rank,
+                                       lora_adapters=args.lora_adapters if rank else None)
     rows = []
     bar = tqdm(total=len(stages) * len(seq_lens) * len(batches), desc=f"{args.mode} memory")
     for stage in stages:

@@ -8,6 +8,7 @@ copies of bf16 buffers and overstates memory up to 2x).
 """
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -17,11 +18,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .bank_optimizer import init_bank_state
 from .batch import Batch
 from .compute import ComputeConfig
 from .generation import DecodeState, decode, prefill
 from .layers.kv_cache import SharedPrefixCache
-from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, trainable_filter
+from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
 from .loading import abstract_model
 from .models.config import TransformerConfig
 from .models.transformer import new_cache
@@ -97,14 +99,17 @@ def _sds(shape, dtype, mesh, *names) -> Any:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
-def abstract_sharded_model(config: TransformerConfig, mesh, dtype=jnp.bfloat16, *, lora_rank: int = 0):
+def abstract_sharded_model(config: TransformerConfig, mesh, dtype=jnp.bfloat16, *, lora_rank: int = 0,
+                           lora_adapters: int | None = None):
     """The model as sharded `ShapeDtypeStruct`s; with `lora_rank`, LoRA adapters on every
-    projection (on the attention projections only for MoE models)."""
+    projection (on the attention projections only for MoE models), a bank of
+    `lora_adapters` of them if given."""
     model = abstract_model(config, dtype)
     if lora_rank:
         targets = ATTENTION_TARGETS if config.num_experts else ALL_TARGETS
         model = eqx.filter_eval_shape(
-            lambda m: apply_lora(m, rank=lora_rank, alpha=2.0 * lora_rank, targets=targets, key=jax.random.key(0)),
+            lambda m: apply_lora(m, rank=lora_rank, alpha=2.0 * lora_rank, targets=targets, adapters=lora_adapters,
+                                 key=jax.random.key(0)),
             model,
         )
     return abstract_with_shardings(model, mesh)
@@ -123,7 +128,8 @@ def abstract_train_state(model, mesh, config: TrainConfig):
     if not jax.tree.leaves(params):
         raise ValueError("nothing to train: the model has no arrays")
     optimizer = make_optimizer(config.optimizer, params)
-    shapes = jax.eval_shape(optimizer.init, params)
+    init = functools.partial(init_bank_state, optimizer) if has_bank(params) else optimizer.init
+    shapes = jax.eval_shape(init, params)
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_map_params(
         optimizer,
@@ -145,6 +151,7 @@ def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfi
         _sds((batch, seq_len), jnp.int32, mesh, "batch"),
         _sds((batch, seq_len), jnp.float32, mesh, "batch"),
         _sds((batch,), jnp.int32, mesh, "batch"),
+        adapter_ids=_sds((batch,), jnp.int32, mesh, "batch") if has_bank(model) else None,
     )
     step = _sds((), jnp.int32, mesh)
     with jax.set_mesh(mesh):
