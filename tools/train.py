@@ -36,7 +36,7 @@ class Args:
     """A preset name (tiny, qwen3-4b, ...: random init), a local HF directory, or a hub repo id."""
     data: str | None = None
     """jsonl with a 'text', 'input_ids' or 'messages' (a chat: loss on the assistant's tokens) field per line
-    (default: the shipped tiny stories)."""
+    (default: the shipped tiny stories; 'arithmetic': the facts of tools/grpo.py's built-in task as text)."""
     output_dir: str = "runs/tiny"
     """Checkpoints go to OUTPUT_DIR/checkpoint, the final HF model to OUTPUT_DIR/final."""
     seq_len: int = 128
@@ -129,9 +129,14 @@ def _source(args: Args):
 
 def _examples(args: Args, config, tokenizer, main_process: bool):
     from eqx_tx.data import TINY_STORIES, Examples, max_token_id, read_jsonl, tokenize
+    from eqx_tx.rl import arithmetic_facts
 
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
-    docs = tokenize(read_jsonl(args.data or TINY_STORIES), tokenizer, eos)
+    if args.data == "arithmetic":  # a warm start for tools/grpo.py: each fact written out, many times over
+        records = [{"text": f["prompt"] + f["answer"]} for f in arithmetic_facts()] * 40
+    else:
+        records = read_jsonl(args.data or TINY_STORIES)
+    docs = tokenize(records, tokenizer, eos)
     if max_token_id(docs) >= config.vocab_size:
         raise ValueError(f"dataset has token ids >= the model's vocab_size {config.vocab_size}")
     examples = Examples(docs, args.seq_len, packing=args.packing, pad_id=eos or 0, long_sequences=args.long_sequences)
@@ -167,9 +172,10 @@ def _model(args: Args, config, source_dir, mesh):
 def _run_metadata(args: Args) -> dict:
     from eqx_tx.data import TINY_STORIES
 
+    data = args.data if args.data == "arithmetic" else os.path.abspath(args.data or TINY_STORIES)
     return {
         "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size, "lora_rank": args.lora_rank,
-        "lora_targets": list(args.lora_targets), "data": os.path.abspath(args.data or TINY_STORIES), "seed": args.seed,
+        "lora_targets": list(args.lora_targets), "data": data, "seed": args.seed,
     }
 
 
