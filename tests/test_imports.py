@@ -24,10 +24,10 @@ LEVELS = [
     # model families and named configurations
     ["eqx_tx.models", "eqx_tx.presets"],
     # running and storing one model
-    ["eqx_tx.hf_params", "eqx_tx.forward", "eqx_tx.loss", "eqx_tx.sampling", "eqx_tx.loading", "eqx_tx.saving",
-     "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.chat", "eqx_tx.text"],
-    # training and generation, their checkpoints
-    ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.checkpoint"],
+    ["eqx_tx.hf_params", "eqx_tx.forward", "eqx_tx.loss", "eqx_tx.policy", "eqx_tx.bank_optimizer", "eqx_tx.sampling",
+     "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.chat", "eqx_tx.text"],
+    # training and generation, their checkpoints, RL rollouts
+    ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.checkpoint", "eqx_tx.rl"],
     # compile-time analysis of the jitted workflows
     ["eqx_tx.memory"],
     # the public API
