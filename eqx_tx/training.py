@@ -13,19 +13,22 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .bank_optimizer import adapters_present, init_bank_state, update_bank
 from .batch import Batch
 from .compute import ComputeConfig
+from .distributed import batch_sharding
 from .forward import check_segment_ids
 from .layers.linear import Embedding, Linear
 from .layers.lora import check_adapter_ids, has_bank, lora_settings, select_adapters, trainable_filter
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from .models import CausalLM
 from .policy import PolicyLoss, nonzero_count, policy_objective, token_coefficients
-from .sharding import mesh_context
+from .sharding import mesh_context, mesh_of
+from .token_budget import pack_by_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +88,19 @@ class TrainConfig:
     policy_loss: PolicyLoss | None = None
     """A policy-gradient objective (`eqx_tx.policy`) on sampled tokens; `None`: the
     weighted cross entropy of supervised fine-tuning."""
+    max_tokens_per_micro_batch: int | None = None
+    """Pack each batch's sequences into rows of this many tokens (segment ids; each
+    sequence computed as if alone), one row per data-parallel device per micro-batch,
+    instead of splitting rows into `micro_batches` (which it then replaces): one long
+    and many short sequences train in one step without padding all to the longest."""
 
     def __post_init__(self):
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1 (or None), got {self.loss_chunk_size}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 (or None), got {self.max_tokens_per_micro_batch}")
 
     def check_batch(self, batch_size: int, data_parallel: int = 1) -> None:
         """Raise if `batch_size` rows do not split into `micro_batches` micro-batches
@@ -270,6 +280,22 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     return params, opt_state, step + 1, metrics
 
 
+def _pack(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Batch, TrainConfig]:
+    """`config.max_tokens_per_micro_batch`: the batch packed by `pack_by_tokens`, placed
+    on the state's mesh, and the config with its micro-batch count."""
+    budget = config.max_tokens_per_micro_batch
+    assert budget is not None
+    if jax.process_count() > 1:
+        raise ValueError("max_tokens_per_micro_batch packs the whole batch on one host: not available multi-host")
+    mesh = mesh_of(state)
+    dp = 1 if mesh is None else mesh.shape["dp"] * mesh.shape["ep"]
+    host = jax.tree.map(np.asarray, batch)
+    packed, micro_batches = pack_by_tokens(host, budget, rows_multiple=dp)
+    if mesh is not None:
+        packed = jax.device_put(packed, batch_sharding(mesh, packed.input_ids.shape[0]))
+    return packed, dataclasses.replace(config, micro_batches=micro_batches, max_tokens_per_micro_batch=None)
+
+
 def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[TrainState, dict]:
     """One optimizer step on `batch`.
 
@@ -283,6 +309,8 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     weighted tokens), and with `config.policy_loss` the metrics of
     `eqx_tx.policy.policy_objective`.
     """
+    if config.max_tokens_per_micro_batch is not None:
+        batch, config = _pack(state, batch, config)
     config.check_batch(batch.input_ids.shape[0])
     if config.policy_loss is not None:
         config.policy_loss.check_batch(batch)

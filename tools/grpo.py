@@ -62,6 +62,9 @@ class Args:
     optimizer: Annotated[OptimizerConfig, tyro.conf.OmitArgPrefixes] = OptimizerConfig(
         learning_rate=5e-4, warmup_steps=5)
     """AdamW; the schedule's length is --steps."""
+    max_tokens_per_micro_batch: int | None = None
+    """Pack the rollouts into micro-batches of this many tokens (per data-parallel
+    device) instead of one padded batch: long-tailed answer lengths waste no padding."""
     lora_rank: int = 0
     """0 = every weight trains; > 0 = LoRA adapters of this rank on a frozen base."""
     lora_alpha: float = 16.0
@@ -191,7 +194,7 @@ def main(args: Args) -> None:
         reference = eqx_tx.layers.lora.without_adapters(model) if args.lora_rank > 0 else jax.tree.map(
             lambda x: x.copy() if isinstance(x, jax.Array) else x, model)
     config = TrainConfig(optimizer=dataclasses.replace(args.optimizer, total_steps=args.steps),
-                         policy_loss=args.policy)
+                         policy_loss=args.policy, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
     state = eqx_tx.init_train_state(model, config)
     del model
     os.makedirs(args.output_dir, exist_ok=True)
