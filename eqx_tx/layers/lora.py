@@ -350,15 +350,21 @@ def check_adapter_ids(model, adapter_ids, batch: int, *, name: str = "adapter_id
         raise ValueError(f"{name} must lie in [0, {n}) (the bank's adapters), got [{ids.min()}, {ids.max()}]")
 
 
-def adapter_slot(model, slot: int):
-    """Adapter `slot` of every bank in `model`, as a model with plain `LoRALinear`s
-    (to save in PEFT's layout, merge, or run alone)."""
+def _bank_settings(model, slot: int) -> dict:
+    """`lora_settings` of a model with a bank, raising unless `slot` is one of its adapters."""
     settings = lora_settings(model)
     n = settings["adapters"]
     if n is None:
         raise ValueError("model has no LoRA adapter bank")
     if not 0 <= slot < n:
         raise ValueError(f"adapter slot {slot} out of range: the bank holds {n}")
+    return settings
+
+
+def adapter_slot(model, slot: int):
+    """Adapter `slot` of every bank in `model`, as a model with plain `LoRALinear`s
+    (to save in PEFT's layout, merge, or run alone)."""
+    settings = _bank_settings(model, slot)
     banks = _banks(model)
     single = apply_lora(without_adapters(model), rank=settings["rank"], alpha=settings["alpha"],
                         targets=settings["targets"], dtype=banks[0][1].lora_A.weight.dtype, key=jax.random.key(0))
@@ -374,12 +380,7 @@ def adapter_slot(model, slot: int):
 def set_adapter_slot(model, slot: int, adapter_model):
     """`model` with adapter `slot` of every bank replaced by the plain adapters of
     `adapter_model` (the same base, targets, rank and alpha)."""
-    settings = lora_settings(model)
-    n = settings["adapters"]
-    if n is None:
-        raise ValueError("model has no LoRA adapter bank")
-    if not 0 <= slot < n:
-        raise ValueError(f"adapter slot {slot} out of range: the bank holds {n}")
+    settings = _bank_settings(model, slot)
     other = lora_settings(adapter_model)
     mine = {k: settings[k] for k in ("rank", "alpha")} | {"targets": set(settings["targets"])}
     theirs = {k: other[k] for k in ("rank", "alpha")} | {"targets": set(other["targets"])}
