@@ -142,3 +142,31 @@ def test_saved_activations_shrink_by_tp_and_sp():
     assert plain == pytest.approx(carry, rel=0.1)  # replicated over tp without SP
     assert seq_par == pytest.approx(carry / 4, rel=0.1)
     assert ctx_par == pytest.approx(carry / 4, rel=0.1)
+
+
+def test_policy_loss_with_entropy_equals_single_device_under_context_parallelism(path):
+    """GSPO with KL and the entropy bonus (the entropy goes back to token order like the log-probs)."""
+    model = eqx_tx.load(path, progress=False)
+    ids, mask = ragged_batch(TP_CONFIG["vocab_size"], [T, 14, 21, T], seed=5)
+    rng = np.random.default_rng(0)
+    shape = ids.shape
+    batch = Batch(ids, np.roll(ids, -1, 1), mask.astype(np.float32), mask.sum(1).astype(np.int32),
+                  sampler_logprobs=rng.normal(-5.5, 0.3, shape).astype(np.float32),
+                  advantages=np.repeat(rng.normal(size=(shape[0], 1)), shape[1], 1).astype(np.float32),
+                  reference_logprobs=rng.normal(-5.5, 0.3, shape).astype(np.float32))
+    compute = eqx_tx.ComputeConfig(attention="blockwise", block_q=8, block_kv=8)
+
+    def loss(m, b):
+        return eqx_tx.policy_loss(m, b, loss="gspo", normalise="sequence", kl_coef=0.1, entropy_coef=0.05,
+                                  compute=compute, chunk_size=13)
+
+    (ref, ref_metrics), ref_grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, batch)
+    mesh = eqx_tx.make_mesh(dp=2, sp=2, tp=2)
+    with jax.set_mesh(mesh):
+        sharded = eqx_tx.shard(model, mesh)
+        b = jax.device_put(batch, NamedSharding(mesh, P("dp")))
+        (ours, metrics), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(sharded, b)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    np.testing.assert_allclose(metrics["entropy"], ref_metrics["entropy"], rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5 * max(1.0, float(np.abs(r).max())))
