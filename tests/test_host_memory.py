@@ -8,7 +8,7 @@ import pytest
 
 # Runs a jitted program with three 16 MiB temporaries (two matmul operands and its
 # product; the result is a scalar) and reports the minor page faults of executions
-# 2 to 4 together.
+# 3 to 7 together (the first ones may still grow the heap, e.g. under load).
 SCRIPT = """
 import resource
 from eqx_tx.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
@@ -17,8 +17,9 @@ import jax, jax.numpy as jnp
 step = jax.jit(lambda x: jnp.sum(jnp.outer(x, x) @ jnp.outer(x + 1.0, x)))
 x = jnp.linspace(0.0, 1.0, 2048)
 step(x).block_until_ready()
+step(x).block_until_ready()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(5):
     step(x).block_until_ready()
 print(retaining_malloc_active(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -37,8 +38,10 @@ def _run(**env) -> tuple[bool, int]:
 def test_retaining_malloc_reuses_buffers_without_page_faults():
     active, faults = _run()
     assert active
-    assert faults < BUFFER_PAGES // 10
-    # glibc's defaults map and fault the temporaries in again at every execution.
-    active, faults = _run(EQX_TX_SYSTEM_MALLOC="1")
+    assert faults < 2 * BUFFER_PAGES  # 15 buffers allocated; at most a late heap growth faults
+    # Without retention glibc maps and faults the temporaries in again at every execution: its
+    # default does so for buffers above its dynamic mmap threshold (up to 32 MiB); pinned at 1 MiB
+    # here, so that 16 MiB buffers always are.
+    active, faults = _run(EQX_TX_SYSTEM_MALLOC="1", MALLOC_MMAP_THRESHOLD_=str(2**20))
     assert not active
-    assert faults > 3 * BUFFER_PAGES
+    assert faults > 10 * BUFFER_PAGES

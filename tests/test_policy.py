@@ -122,9 +122,7 @@ CASES = [  # (loss, normalise, kl_coef, entropy_coef, clip_high, packed)
     ("ppo", 37.0, 0.0, 0.0, 0.2, True),
     ("is", "sequence", 0.0, 0.0, 0.2, False),
     ("cispo", "group", 0.0, 0.05, 0.4, True),
-    ("cispo", "token", 0.2, 0.0, 0.2, False),
     ("gspo", "sequence", 0.05, 0.0, 0.1, True),
-    ("gspo", "token", 0.0, 0.0, 0.1, False),
 ]
 
 
