@@ -1,11 +1,13 @@
 """tools/grpo.py: GRPO raises the reward of the built-in arithmetic task, across a resume."""
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 import pytest
 
+from eqx_tx.policy import PolicyLoss
 from tests.tools_util import load_tool, tool_args
 
 
@@ -44,3 +46,16 @@ def test_grpo_refuses_bad_arguments(warm_start, tmp_path):
         grpo.main(grpo.Args(model=warm_start, output_dir=str(tmp_path / "b"), reward="eqx_tx.rl:no_such_function"))
     with pytest.raises(ValueError, match="--n must be >= 2"):
         grpo.main(grpo.Args(model=warm_start, output_dir=str(tmp_path / "c"), n=1))
+
+
+def test_grpo_lora_with_kl_to_the_base(warm_start, tmp_path):
+    """LoRA on a frozen base, KL to the base's log-probs: it runs, reports a KL that starts at 0
+    (adapters start as the identity) and grows, and exports the adapter and the merged model."""
+    grpo = load_tool("grpo")
+    out = tmp_path / "lora"
+    grpo.main(grpo.Args(model=warm_start, output_dir=str(out), steps=4, lora_rank=4, lora_alpha=8.0,
+                        policy=dataclasses.replace(PolicyLoss(), kl_coef=0.05), eval_every=100, progress=False))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward" in json.loads(line)]
+    assert abs(rows[0]["kl"]) < 1e-6 and rows[-1]["kl"] > 0
+    assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
+    assert os.path.isfile(out / "final" / "model.safetensors")
