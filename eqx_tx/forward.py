@@ -17,6 +17,7 @@ from .layers.attention import AttentionMask
 from .models import CausalLM
 from .models.config import TransformerConfig
 from .sharding import RULES, mesh_context, tree_shardings
+from .util import concrete_value
 
 
 def lengths_from_mask(attention_mask, seq_len: int, batch: int) -> Int[Array, " batch"]:
@@ -62,11 +63,8 @@ def lengths_and_segments(attention_mask, segment_ids, seq_len: int, batch: int):
 def check_segment_ids(segment_ids, lengths) -> None:
     """Raise unless each row's ids are positive and non-decreasing up to its length and
     0 after it (checked only when concrete and on this host)."""
-    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (segment_ids, lengths)):
-        return
-    try:
-        seg, lengths = np.asarray(segment_ids), np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
+    seg, lengths = concrete_value(segment_ids), concrete_value(lengths)
+    if seg is None or lengths is None:
         return
     if seg.ndim != 2 or seg.shape[0] != lengths.shape[0]:
         raise ValueError(f"segment_ids shape {seg.shape} does not match {lengths.shape[0]} sequences")

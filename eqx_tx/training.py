@@ -259,14 +259,14 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     copied, doubling the memory of the frozen base weights in a LoRA run.
     """
     count = nonzero_count(batch.loss_weights)
-    bank = has_bank(params)
-    coefficients = _coefficients(batch, config, lora_settings(params)["adapters"] if bank else None)
+    adapters = lora_settings(params)["adapters"] if has_bank(params) else None  # the bank's size
+    coefficients = _coefficients(batch, config, adapters)
     metrics, grads = _loss_and_grads(params, frozen, batch, coefficients, config, count)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     optimizer = make_optimizer(config.optimizer, params)
-    if bank:
+    if adapters is not None:
         assert batch.adapter_ids is not None
-        present = adapters_present(jnp.asarray(batch.adapter_ids), batch.loss_weights, lora_settings(params)["adapters"])
+        present = adapters_present(jnp.asarray(batch.adapter_ids), batch.loss_weights, adapters)
         params, opt_state = update_bank(optimizer, grads, opt_state, params, present)
     else:
         updates, opt_state = optimizer.update(grads, opt_state, params)
