@@ -13,12 +13,15 @@ Stages are cumulative; each changes exactly one thing:
 | 6 | chunked prefill, 512 positions at a time (sampling) |
 | 7 | int8 KV cache with a float32 scale per token and kv head (sampling) |
 | 8 | shared prompt KV for n=8 samples per prompt (sampling; batch = samples, prompts = batch / 8) |
+| 9 | offload: each layer's saved input goes to pinned host memory in the forward pass and comes back for the backward (`remat="offload"`, training) |
+| 10 | `remat="auto"`: the fastest policy that fits the budget, chosen per point (training) |
 
 A stage that does not apply to the mode repeats the previous stage's figures.
 
 `--measure compile` (default) lowers and compiles the real jitted `train_step` /
 `prefill` + `decode` with abstract, sharded inputs and reads per-device memory from
-`compiled.memory_analysis()` (arguments + outputs + temporaries - aliased). No
+`compiled.memory_analysis()` (arguments + outputs + temporaries - aliased; host memory
+separately, with the bytes a step moves to and from it). No
 weights, no accelerator: `--target a100-40gb` / `h100-80gb` compile for 8 compile-only
 CUDA devices (bf16 stays bf16; needs the `bench` extra), `--target cpu` for 8 fake
 CPU devices (bf16 buffers get f32 copies there: pessimistic by up to 2x).
@@ -59,6 +62,10 @@ STAGES = {
             prefill_chunk_size=512, kv_cache_dtype="int8"),
     8: dict(attention="flash", skip_full_logits=True, remat="full", loss_chunk_size=8192, sequence_parallel=True,
             prefill_chunk_size=512, kv_cache_dtype="int8", n=8),
+    9: dict(attention="flash", skip_full_logits=True, remat="offload", loss_chunk_size=8192, sequence_parallel=True,
+            prefill_chunk_size=512, kv_cache_dtype="int8", n=8),
+    10: dict(attention="flash", skip_full_logits=True, remat="auto", loss_chunk_size=8192, sequence_parallel=True,
+             prefill_chunk_size=512, kv_cache_dtype="int8", n=8),
 }
 SETTINGS = ("attention", "skip_full_logits", "remat", "loss_chunk_size", "sequence_parallel", "prefill_chunk_size",
             "kv_cache_dtype", "n")
@@ -84,7 +91,7 @@ class Args:
     mem_fraction: float = 0.75
     """JAX's default allocator cap: the budget is device_memory_gib * mem_fraction."""
     stage: int | None = None
-    """Run one stage (0-8); default: all."""
+    """Run one stage (0-10); default: all."""
     measure: Literal["compile", "run"] = "compile"
     target: Literal["a100-40gb", "h100-80gb", "cpu"] = "a100-40gb"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -132,11 +139,12 @@ def _config(args: Args):
     return eqx_tx.config_from_hf(read_hf_config(args.model))
 
 
-def _compute(settings):
+def _compute(args: Args, settings):
     import eqx_tx
 
     return eqx_tx.ComputeConfig(
-        attention=settings["attention"], remat=settings["remat"], sequence_parallel=settings["sequence_parallel"]
+        attention=settings["attention"], remat=settings["remat"], sequence_parallel=settings["sequence_parallel"],
+        memory_budget_gib=args.device_memory_gib * args.mem_fraction if args.measure == "compile" else None,
     )
 
 
@@ -144,34 +152,45 @@ def _train_config(args: Args, settings):
     from eqx_tx.training import TrainConfig
 
     chunk = settings["loss_chunk_size"] or None
-    return TrainConfig(loss_chunk_size=chunk, compute=_compute(settings))
+    return TrainConfig(loss_chunk_size=chunk, compute=_compute(args, settings))
 
 
 def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, model) -> dict:
+    import jax
     import jax.numpy as jnp
 
-    from eqx_tx.hlo import format_summary, per_layer_summary
-    from eqx_tx.memory import MemoryFigures, compile_sampling, compile_train_step
+    from eqx_tx.hlo import format_summary, host_buffers, per_layer_summary
+    from eqx_tx.memory import MemoryFigures, abstract_train_inputs, compile_sampling, compile_train_step
+    from eqx_tx.training import resolve_remat
 
     settings = stage_settings(args, stage)
     start = time.perf_counter()
-    comms = ""
+    comms, remat, moved = "", settings["remat"], 0
     if args.mode == "train":
-        compiled = compile_train_step(model, mesh, batch, seq_len, _train_config(args, settings))
+        config = _train_config(args, settings)
+        try:
+            compiled = compile_train_step(model, mesh, batch, seq_len, config)
+        except ValueError as e:  # remat="auto" with nothing that fits
+            return dict(bytes=None, phase="train_step", seconds=time.perf_counter() - start, error=str(e)[:200])
+        inputs = abstract_train_inputs(model, mesh, batch, seq_len, config)
+        with jax.set_mesh(mesh):
+            remat = resolve_remat(*inputs, config).compute.remat  # (remembered: no second search)
         figures = {"train_step": MemoryFigures.of(compiled)}
         comms = format_summary(per_layer_summary(compiled.as_text(), model.config.num_hidden_layers))
+        moved = 2 * sum(host_buffers(compiled.as_text()))
     else:
         if batch % settings["n"]:
             return dict(bytes=None, phase="-", seconds=0.0, skipped=True)
         compiled = compile_sampling(
-            model, mesh, batch, seq_len // 2, seq_len - seq_len // 2, compute=_compute(settings),
+            model, mesh, batch, seq_len // 2, seq_len - seq_len // 2, compute=_compute(args, settings),
             cache_dtype=jnp.dtype(settings["kv_cache_dtype"]), prefill_chunk=settings["prefill_chunk_size"],
             full_logits=not settings["skip_full_logits"], n=settings["n"],
         )
         figures = {k: MemoryFigures.of(v) for k, v in compiled.items()}
     phase, peak = max(figures.items(), key=lambda kv: kv[1].total)
     return dict(bytes=peak.total, phase=phase, argument=peak.argument, output=peak.output, temp=peak.temp,
-                alias=peak.alias, seconds=time.perf_counter() - start, collectives=comms)
+                alias=peak.alias, host_bytes=peak.host_total, host_moved=moved, remat=remat,
+                seconds=time.perf_counter() - start, collectives=comms)
 
 
 def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict:
@@ -221,7 +240,7 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
         for _ in range(args.run_steps + 1):
             t = time.perf_counter()
             generate(model, prompts[: max(1, batch // n)], params, n=n, prefill_chunk_size=settings["prefill_chunk_size"],
-                     cache_dtype=settings["kv_cache_dtype"], compute=_compute(settings))
+                     cache_dtype=settings["kv_cache_dtype"], compute=_compute(args, settings))
             times.append(time.perf_counter() - t)
     device = jax.devices()[0]
     if device.platform == "gpu":
@@ -249,7 +268,8 @@ def _tokens(T: int) -> str:
 def write_outputs(args: Args, rows: list[dict], out_dir: str, budget: int) -> None:
     os.makedirs(out_dir, exist_ok=True)
     fields = ["experiment", "mode", "stage", "seq_len", "batch", "target", "tp", "measure", "phase", "bytes",
-              "argument", "output", "temp", "alias", "seconds", "fits", "collectives"]
+              "argument", "output", "temp", "alias", "host_bytes", "host_moved", "remat", "seconds", "fits",
+              "collectives"]
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -257,7 +277,9 @@ def write_outputs(args: Args, rows: list[dict], out_dir: str, budget: int) -> No
     unit = "compile s" if args.measure == "compile" else "s/step"
     lines = [f"# {args.experiment_name}: {args.mode}, {args.model}, ep={args.ep} x sp={args.sp} x tp={args.tp}, target {args.target}, "
              f"budget {args.device_memory_gib:g} GiB x {args.mem_fraction:g} = {budget / 2**30:.1f} GiB", "",
-             f"Cells: peak MiB per device / {unit}; ERROR = over budget.", ""]
+             f"Cells: peak MiB per device / {unit}; ERROR = over budget. With host memory (offload): "
+             "+ host MiB, and the GiB a step moves between device and host. Stage 10: the policy "
+             '`remat="auto"` chose.', ""]
     seq_lens = sorted({r["seq_len"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
     for T in seq_lens:
@@ -273,7 +295,10 @@ def write_outputs(args: Args, rows: list[dict], out_dir: str, budget: int) -> No
                     cells.append("ERROR" if r["bytes"] is None else f"ERROR ({r['bytes'] / 2**20:,.0f})")
                 else:
                     seconds = "cached" if r["seconds"] < 0.05 else f"{r['seconds']:.1f}"
-                    cells.append(f"{r['bytes'] / 2**20:,.0f} / {seconds}")
+                    host = (f" + {r['host_bytes'] / 2**20:,.0f} host ({r['host_moved'] / 2**30:.1f} GiB moved)"
+                            if r.get("host_bytes") else "")
+                    chosen = f" `{r['remat']}`" if r["stage"] == 10 else ""
+                    cells.append(f"{r['bytes'] / 2**20:,.0f}{host}{chosen} / {seconds}")
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Max batch size", "", "| stage | " + " | ".join(f"{args.mode} {_tokens(T)}" for T in seq_lens) + " |",

@@ -14,12 +14,15 @@ import jax
 AttentionImpl = Literal["auto", "cudnn", "blockwise", "xla"]
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 
-RematPolicy = Literal["none", "full", "dots", "names"]
+RematPolicy = Literal["none", "full", "dots", "names", "offload", "auto"]
 REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
 
 # Tensors tagged with `jax.ad_checkpoint.checkpoint_name` inside a decoder block,
-# available to `remat="names"`.
+# available to `remat="names"` (and kept on the device under `remat="offload"`).
 CHECKPOINT_NAMES = ("q", "k", "v", "attention", "mlp_hidden", "block_attn_out")
+# The name of each scanned layer's input (the saved carry), moved to host memory
+# under `remat="offload"`.
+LAYER_INPUT = "layer_input"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +42,16 @@ class ComputeConfig:
     """What each scanned layer keeps for the backward pass: `full` keeps only the
     layer-boundary activations and recomputes the layer, `none` keeps everything,
     `dots` keeps matmul outputs without batch dimensions, `names` keeps the tensors
-    named in `remat_names`."""
+    named in `remat_names`, `offload` is `full` with the layer-boundary activations
+    moved to pinned host memory during the forward pass and brought back for the
+    backward (plus `remat_names` kept on the device), `auto` the fastest of these
+    that fits a memory budget (`eqx_tx.remat_auto`; `train_step` resolves it)."""
     remat_names: tuple[str, ...] = ()
-    """Tensor names kept under `remat=names`: q, k, v, attention, mlp_hidden, block_attn_out."""
+    """Tensor names kept under `remat=names` (and on the device under `offload`):
+    q, k, v, attention, mlp_hidden, block_attn_out."""
+    memory_budget_gib: float | None = None
+    """Per-device memory `remat="auto"` must fit in (`None`: the device's allocator
+    limit, 0.75 of its memory by JAX's default)."""
     sequence_parallel: bool = False
     """Shard the activations between blocks over the sequence on the `tp` axis
     (Megatron-style sequence parallelism)."""
@@ -56,11 +66,23 @@ class ComputeConfig:
         unknown = set(self.remat_names) - set(CHECKPOINT_NAMES)
         if unknown:
             raise ValueError(f"remat_names {sorted(unknown)} unknown; choose from {CHECKPOINT_NAMES}")
+        if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
+            raise ValueError(f"memory_budget_gib must be positive, got {self.memory_budget_gib}")
         if (self.block_q is not None and self.block_q < 1) or (self.block_kv is not None and self.block_kv < 1):
             raise ValueError(f"block sizes must be positive, got {self.block_q}, {self.block_kv}")
 
     def checkpoint_policy(self):
         """The `jax.checkpoint` policy for one scanned layer (`None`: recompute all)."""
+        if self.remat == "auto":
+            raise ValueError(
+                'remat="auto" is a choice to make before compiling: resolve it with eqx_tx.remat_auto '
+                "(train_step does)"
+            )
+        if self.remat == "offload":
+            return jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=list(self.remat_names), names_which_can_be_offloaded=[LAYER_INPUT],
+                offload_src="device", offload_dst="pinned_host",
+            )
         if self.remat == "dots":
             return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         if self.remat == "names":

@@ -107,3 +107,21 @@ def materialized(hlo_text: str) -> list[Buffer]:
             shape = tuple(int(d) for d in i.group("dims").split(",") if d)
             found.append(Buffer(i.group("name"), i.group("op"), shape, i.group("dtype"), current))
     return found
+
+
+# A host-memory buffer (memory space 5) allocated by the program, e.g. the saved
+# layer inputs of `remat="offload"`.
+_HOST_BUFFER = re.compile(
+    r"= (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]\{[0-9,]*:S\(5\)\} custom-call\(.*custom_call_target=\"AllocateBuffer\""
+)
+
+
+def host_buffers(hlo_text: str) -> list[int]:
+    """Sizes in bytes of the host-memory buffers a compiled program allocates (the
+    offloaded activations: each written once in the forward pass and read once in
+    the backward, so a step moves twice their sum between device and host)."""
+    sizes = []
+    for m in _HOST_BUFFER.finditer(hlo_text):
+        dims = [int(d) for d in m["dims"].split(",") if d]
+        sizes.append(int(np.prod(dims, dtype=np.int64)) * _BYTES[m["dtype"]])
+    return sizes

@@ -29,7 +29,7 @@ from .models.config import TransformerConfig
 from .models.transformer import new_cache
 from .sampling import SamplerArrays, SamplingParams
 from .sharding import abstract_with_shardings, logical_to_spec, make_mesh
-from .training import TrainConfig, make_optimizer, train_step_jit
+from .training import TrainConfig, make_optimizer, resolve_remat, train_step_jit
 from .util import round_up
 
 # Compile-only GPU descriptions shipped with the package (`target_mesh`).
@@ -39,22 +39,34 @@ TARGET_FILES = {"a100-40gb": "a100_sxm_40.txtpb", "h100-80gb": "h100_sxm.txtpb"}
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFigures:
-    """Per-device bytes from `compiled.memory_analysis()`."""
+    """Per-device bytes from `compiled.memory_analysis()`, in device memory and in
+    (pinned) host memory."""
 
     argument: int
     output: int
     temp: int
     alias: int
+    host_argument: int = 0
+    host_output: int = 0
+    host_temp: int = 0
+    host_alias: int = 0
 
     @property
     def total(self) -> int:
-        """Peak live bytes: arguments + outputs + temporaries - donated (aliased) outputs."""
+        """Peak live device bytes: arguments + outputs + temporaries - donated (aliased) outputs."""
         return self.argument + self.output + self.temp - self.alias
+
+    @property
+    def host_total(self) -> int:
+        """The same in host memory (offloaded activations, host-resident state)."""
+        return self.host_argument + self.host_output + self.host_temp - self.host_alias
 
     @classmethod
     def of(cls, compiled) -> "MemoryFigures":
         m = compiled.memory_analysis()
-        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes)
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes,
+                   m.host_argument_size_in_bytes, m.host_output_size_in_bytes, m.host_temp_size_in_bytes,
+                   m.host_alias_size_in_bytes)
 
 
 def target_mesh(
@@ -143,8 +155,9 @@ def abstract_train_state(model, mesh, config: TrainConfig):
     return params, opt_state, frozen
 
 
-def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfig):
-    """Lower and compile `train_step_jit` for abstract, sharded inputs; returns the compiled step."""
+def abstract_train_inputs(model, mesh, batch: int, seq_len: int, config: TrainConfig) -> tuple:
+    """The sharded abstract arguments of `train_step_jit` (params, opt_state, step,
+    frozen, batch) for `batch` rows of `seq_len` tokens."""
     params, opt_state, frozen = abstract_train_state(model, mesh, config)
     b = Batch(
         _sds((batch, seq_len), jnp.int32, mesh, "batch"),
@@ -153,9 +166,16 @@ def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfi
         _sds((batch,), jnp.int32, mesh, "batch"),
         adapter_ids=_sds((batch,), jnp.int32, mesh, "batch") if has_bank(model) else None,
     )
-    step = _sds((), jnp.int32, mesh)
+    return params, opt_state, _sds((), jnp.int32, mesh), frozen, b
+
+
+def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfig):
+    """Lower and compile `train_step_jit` for abstract, sharded inputs (`remat="auto"`
+    resolved for them); returns the compiled step."""
+    inputs = abstract_train_inputs(model, mesh, batch, seq_len, config)
     with jax.set_mesh(mesh):
-        return train_step_jit.lower(params, opt_state, step, frozen, b, config).compile()
+        config = resolve_remat(*inputs, config)
+        return train_step_jit.lower(*inputs, config).compile()
 
 
 def compile_sampling(

@@ -27,6 +27,7 @@ from .layers.lora import check_adapter_ids, has_bank, lora_settings, select_adap
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from .models import CausalLM
 from .policy import PolicyLoss, nonzero_count, policy_objective, token_coefficients
+from .remat_auto import choose_remat, device_budget
 from .sharding import mesh_context, mesh_of
 from .token_budget import pack_by_tokens
 
@@ -280,6 +281,35 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     return params, opt_state, step + 1, metrics
 
 
+_RESOLVED: dict = {}
+
+
+def resolve_remat(params, opt_state, step, frozen, batch: Batch, config: TrainConfig) -> TrainConfig:
+    """`config` with `remat="auto"` replaced by the fastest policy whose compiled
+    `train_step_jit` fits the budget (`eqx_tx.remat_auto.choose_remat`) for these
+    inputs (arrays or sharded `jax.ShapeDtypeStruct`s); other configs unchanged.
+    The choice is remembered per config and input shapes/shardings."""
+    compute = config.compute
+    if compute.remat != "auto":
+        return config
+    args = (params, opt_state, step, frozen, batch)
+    leaves, treedef = jax.tree.flatten(args)
+    key = (config, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    if key not in _RESOLVED:
+        if compute.memory_budget_gib is not None:
+            budget = int(compute.memory_budget_gib * 2**30)
+        else:
+            sharding = getattr(leaves[0], "sharding", None)
+            budget = device_budget(jax.devices()[0] if sharding is None else min(sharding.device_set, key=lambda d: d.id))
+
+        def trace(c: ComputeConfig):
+            return train_step_jit.trace(*args, dataclasses.replace(config, compute=c))
+
+        chosen, _ = choose_remat(trace, compute, budget)
+        _RESOLVED[key] = dataclasses.replace(config, compute=chosen)
+    return _RESOLVED[key]
+
+
 def _pack(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Batch, TrainConfig]:
     """`config.max_tokens_per_micro_batch`: the batch packed by `pack_by_tokens`, placed
     on the state's mesh, and the config with its micro-batch count."""
@@ -318,6 +348,7 @@ def train_step(state: TrainState, batch: Batch, config: TrainConfig) -> tuple[Tr
     if batch.segment_ids is not None:
         check_segment_ids(batch.segment_ids, batch.lengths)
     with mesh_context(state):
+        config = resolve_remat(state.params, state.opt_state, state.step, state.frozen, batch, config)
         params, opt_state, step, metrics = train_step_jit(
             state.params, state.opt_state, state.step, state.frozen, batch, config
         )

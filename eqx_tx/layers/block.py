@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from ..compute import ComputeConfig
+from ..compute import LAYER_INPUT, ComputeConfig
 from ..sharding import AnyMesh, constrain
 from .attention import Attention, AttentionMask
 from .kv_cache import Cache
@@ -122,7 +122,7 @@ def run_stack(
     def body(carry: BlockOutput, xs):
         layer_params, index = xs
         block = eqx.combine(layer_params, static)
-        out = block(carry.hidden, cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=carry.cache,
+        out = block(checkpoint_name(carry.hidden, LAYER_INPUT), cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=carry.cache,
                     layer=index, positions=positions)
         total = carry.router_stats
         if total is not None and out.router_stats is not None:

@@ -1,0 +1,114 @@
+"""`remat="auto"`: the fastest remat policy whose compiled step fits a memory budget.
+
+Each candidate policy is traced (cheap) and its matmul FLOPs counted
+(`eqx_tx.flops`): recomputation is the difference between policies. Candidates are
+then compiled in order of FLOPs, fewer host bytes moved breaking ties (`offload`
+does the work of `full` plus the transfers), and the first whose per-device
+memory (`compiled.memory_analysis()`) fits the budget is chosen. Nothing runs on
+the device; the choice and the figures are logged once.
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import jax
+
+from ._log import log_once
+from .compute import ComputeConfig
+from .flops import traced_flops
+from .hlo import host_buffers
+
+DEFAULT_MEMORY_FRACTION = 0.75
+"""JAX's default GPU allocator cap, as a fraction of device memory."""
+
+# Fastest first, by design; the measured FLOPs decide the order.
+CANDIDATES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("none", ()),
+    ("dots", ()),
+    ("names", ("q", "k", "v", "attention", "mlp_hidden")),
+    ("full", ()),
+    ("offload", ()),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RematFigures:
+    """One candidate's cost: matmul FLOPs (global, recomputation included) and, once
+    compiled, peak device bytes, host bytes and the bytes it moves to and from the
+    host per step (per device)."""
+
+    compute: ComputeConfig
+    flops: int
+    device_bytes: int | None = None
+    host_bytes: int = 0
+    host_moved: int = 0
+
+    @property
+    def label(self) -> str:
+        names = f"({','.join(self.compute.remat_names)})" if self.compute.remat_names else ""
+        return self.compute.remat + names
+
+
+def remat_candidates(compute: ComputeConfig) -> list[ComputeConfig]:
+    """`compute` with each candidate policy in place of `auto`."""
+    return [dataclasses.replace(compute, remat=remat, remat_names=names) for remat, names in CANDIDATES]  # type: ignore[arg-type]
+
+
+def device_budget(device: jax.Device, fraction: float = DEFAULT_MEMORY_FRACTION) -> int:
+    """Bytes a program may use on `device`: the allocator's limit on an accelerator
+    (JAX's default is 0.75 of its memory), `fraction` of physical memory shared by
+    the local devices on CPU."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform != "cpu":
+        raise ValueError(f"cannot read the memory of {device}: give the budget (ComputeConfig.memory_budget_gib)")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(physical * fraction / jax.local_device_count("cpu"))
+
+
+def choose_remat(
+    trace: Callable[[ComputeConfig], jax.stages.Traced], compute: ComputeConfig, budget_bytes: int
+) -> tuple[ComputeConfig, list[RematFigures]]:
+    """The fastest candidate whose compiled program fits `budget_bytes` per device.
+
+    **Arguments:**
+
+    - `trace`: traces the step for a given `ComputeConfig` (`jax.jit(f).trace`).
+    - `compute`: the settings with `remat="auto"`; everything but the policy is kept.
+    - `budget_bytes`: peak device bytes allowed per device.
+
+    **Returns:** the chosen settings and every candidate's figures (compiled ones up
+    to the choice). Raises `ValueError` naming the budget and the smallest candidate
+    if none fits.
+    """
+    traced = [(c, trace(c)) for c in remat_candidates(compute)]
+    figures = sorted((RematFigures(c, traced_flops(t)) for c, t in traced), key=lambda f: (f.flops, f.compute.remat == "offload"))
+    by_config = dict(traced)
+    chosen = None
+    for i, f in enumerate(figures):
+        compiled = by_config[f.compute].lower().compile()
+        m = compiled.memory_analysis()
+        device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes + m.host_temp_size_in_bytes
+        figures[i] = dataclasses.replace(f, device_bytes=device, host_bytes=host - m.host_alias_size_in_bytes,
+                                         host_moved=2 * sum(host_buffers(compiled.as_text())))
+        if device <= budget_bytes:
+            chosen = figures[i]
+            break
+    table = "; ".join(
+        f"{f.label}: {f.flops / 1e12:.2f} TFLOP, "
+        + ("not compiled" if f.device_bytes is None else f"{f.device_bytes / 2**30:.2f} GiB")
+        + (f" (+{f.host_bytes / 2**30:.2f} GiB host, {f.host_moved / 2**30:.2f} GiB moved)" if f.host_bytes else "")
+        for f in figures
+    )
+    if chosen is None:
+        smallest = min(figures, key=lambda f: f.device_bytes or 0)
+        raise ValueError(
+            f'remat="auto": no policy fits the budget of {budget_bytes / 2**30:.2f} GiB per device; the smallest '
+            f"is {smallest.label} at {(smallest.device_bytes or 0) / 2**30:.2f} GiB ({table}). Use a smaller batch, "
+            "micro_batches, sequence parallelism or more devices."
+        )
+    log_once(f'remat="auto" chose {chosen.label} for a budget of {budget_bytes / 2**30:.2f} GiB per device ({table})')
+    return chosen.compute, figures
