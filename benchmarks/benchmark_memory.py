@@ -108,6 +108,8 @@ class Args:
     full_finetune: bool = False
     """Train all weights instead of LoRA rank-32 adapters on every projection (frozen base;
     attention projections only for MoE models)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state in pinned host memory between steps (`TrainConfig.offload_optimizer`)."""
     lora_rank: int = 32
     lora_adapters: int | None = None
     """Train a bank of this many LoRA adapters (one per sequence) instead of one."""
@@ -152,20 +154,21 @@ def _train_config(args: Args, settings):
     from eqx_tx.training import TrainConfig
 
     chunk = settings["loss_chunk_size"] or None
-    return TrainConfig(loss_chunk_size=chunk, compute=_compute(args, settings))
+    return TrainConfig(loss_chunk_size=chunk, compute=_compute(args, settings), offload_optimizer=args.offload_optimizer)
 
 
 def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, model) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from eqx_tx.hlo import format_summary, host_buffers, per_layer_summary
+    from eqx_tx.hlo import format_summary, per_layer_summary
     from eqx_tx.memory import MemoryFigures, abstract_train_inputs, compile_sampling, compile_train_step
+    from eqx_tx.remat_auto import remat_label
     from eqx_tx.training import resolve_remat
 
     settings = stage_settings(args, stage)
     start = time.perf_counter()
-    comms, remat, moved = "", settings["remat"], 0
+    comms, remat = "", settings["remat"]
     if args.mode == "train":
         config = _train_config(args, settings)
         try:
@@ -174,10 +177,9 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
             return dict(bytes=None, phase="train_step", seconds=time.perf_counter() - start, error=str(e)[:200])
         inputs = abstract_train_inputs(model, mesh, batch, seq_len, config)
         with jax.set_mesh(mesh):
-            remat = resolve_remat(*inputs, config).compute.remat  # (remembered: no second search)
+            remat = remat_label(resolve_remat(*inputs, config).compute)  # (remembered: no second search)
         figures = {"train_step": MemoryFigures.of(compiled)}
         comms = format_summary(per_layer_summary(compiled.as_text(), model.config.num_hidden_layers))
-        moved = 2 * sum(host_buffers(compiled.as_text()))
     else:
         if batch % settings["n"]:
             return dict(bytes=None, phase="-", seconds=0.0, skipped=True)
@@ -189,7 +191,7 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
         figures = {k: MemoryFigures.of(v) for k, v in compiled.items()}
     phase, peak = max(figures.items(), key=lambda kv: kv[1].total)
     return dict(bytes=peak.total, phase=phase, argument=peak.argument, output=peak.output, temp=peak.temp,
-                alias=peak.alias, host_bytes=peak.host_total, host_moved=moved, remat=remat,
+                alias=peak.alias, host_bytes=peak.host_total, host_moved=peak.host_moved, remat=remat,
                 seconds=time.perf_counter() - start, collectives=comms)
 
 

@@ -7,7 +7,6 @@ description (`target_mesh`), where bf16 buffers stay bf16 (XLA:CPU keeps f32
 copies of bf16 buffers and overstates memory up to 2x).
 """
 
-import dataclasses
 import functools
 import os
 from typing import Any
@@ -22,6 +21,7 @@ from .bank_optimizer import init_bank_state
 from .batch import Batch
 from .compute import ComputeConfig
 from .generation import DecodeState, decode, prefill
+from .memory_figures import MemoryFigures
 from .layers.kv_cache import SharedPrefixCache
 from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
 from .loading import abstract_model
@@ -35,38 +35,6 @@ from .util import round_up
 # Compile-only GPU descriptions shipped with the package (`target_mesh`).
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 TARGET_FILES = {"a100-40gb": "a100_sxm_40.txtpb", "h100-80gb": "h100_sxm.txtpb"}
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryFigures:
-    """Per-device bytes from `compiled.memory_analysis()`, in device memory and in
-    (pinned) host memory."""
-
-    argument: int
-    output: int
-    temp: int
-    alias: int
-    host_argument: int = 0
-    host_output: int = 0
-    host_temp: int = 0
-    host_alias: int = 0
-
-    @property
-    def total(self) -> int:
-        """Peak live device bytes: arguments + outputs + temporaries - donated (aliased) outputs."""
-        return self.argument + self.output + self.temp - self.alias
-
-    @property
-    def host_total(self) -> int:
-        """The same in host memory (offloaded activations, host-resident state)."""
-        return self.host_argument + self.host_output + self.host_temp - self.host_alias
-
-    @classmethod
-    def of(cls, compiled) -> "MemoryFigures":
-        m = compiled.memory_analysis()
-        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, m.alias_size_in_bytes,
-                   m.host_argument_size_in_bytes, m.host_output_size_in_bytes, m.host_temp_size_in_bytes,
-                   m.host_alias_size_in_bytes)
 
 
 def target_mesh(
@@ -131,7 +99,8 @@ def abstract_train_state(model, mesh, config: TrainConfig):
     """The trainable part, optimizer state and frozen part of abstract sharded `model`,
     as `init_train_state` splits them, with the shardings `train_step` receives.
 
-    Each optimizer moment takes the sharding of the parameter it belongs to (matched
+    Each optimizer moment takes the sharding of the parameter it belongs to (in
+    pinned host memory with `config.offload_optimizer`; matched
     by position in the tree with `optax.tree_map_params`, never by shape: two weights
     of one shape may be sharded differently); the other state (step counts) is
     replicated.
@@ -143,9 +112,11 @@ def abstract_train_state(model, mesh, config: TrainConfig):
     init = functools.partial(init_bank_state, optimizer) if has_bank(params) else optimizer.init
     shapes = jax.eval_shape(init, params)
     replicated = NamedSharding(mesh, P())
+    kind = "pinned_host" if config.offload_optimizer else "device"
     opt_state = optax.tree_map_params(
         optimizer,
-        lambda x, p: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding),
+        lambda x, p: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=p.sharding.with_memory_kind(kind)),
         shapes,
         params,
         transform_non_params=lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -172,10 +143,10 @@ def abstract_train_inputs(model, mesh, batch: int, seq_len: int, config: TrainCo
 def compile_train_step(model, mesh, batch: int, seq_len: int, config: TrainConfig):
     """Lower and compile `train_step_jit` for abstract, sharded inputs (`remat="auto"`
     resolved for them); returns the compiled step."""
-    inputs = abstract_train_inputs(model, mesh, batch, seq_len, config)
+    params, opt_state, step, frozen, b = abstract_train_inputs(model, mesh, batch, seq_len, config)
     with jax.set_mesh(mesh):
-        config = resolve_remat(*inputs, config)
-        return train_step_jit.lower(*inputs, config).compile()
+        config = resolve_remat(params, opt_state, step, frozen, b, config)
+        return train_step_jit.lower(params, opt_state, step, frozen, b, config).compile()
 
 
 def compile_sampling(

@@ -11,13 +11,14 @@ the device; the choice and the figures are logged once.
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from ._log import log_once
 from .compute import ComputeConfig
 from .flops import traced_flops
-from .hlo import host_buffers
+from .memory_figures import MemoryFigures
 
 DEFAULT_MEMORY_FRACTION = 0.75
 """JAX's default GPU allocator cap, as a fraction of device memory."""
@@ -46,8 +47,12 @@ class RematFigures:
 
     @property
     def label(self) -> str:
-        names = f"({','.join(self.compute.remat_names)})" if self.compute.remat_names else ""
-        return self.compute.remat + names
+        return remat_label(self.compute)
+
+
+def remat_label(compute: ComputeConfig) -> str:
+    """The policy and the tensors it names, e.g. `names(q,k,v)`."""
+    return compute.remat + (f"({','.join(compute.remat_names)})" if compute.remat_names else "")
 
 
 def remat_candidates(compute: ComputeConfig) -> list[ComputeConfig]:
@@ -55,7 +60,7 @@ def remat_candidates(compute: ComputeConfig) -> list[ComputeConfig]:
     return [dataclasses.replace(compute, remat=remat, remat_names=names) for remat, names in CANDIDATES]  # type: ignore[arg-type]
 
 
-def device_budget(device: jax.Device, fraction: float = DEFAULT_MEMORY_FRACTION) -> int:
+def device_budget(device: Any, fraction: float = DEFAULT_MEMORY_FRACTION) -> int:
     """Bytes a program may use on `device`: the allocator's limit on an accelerator
     (JAX's default is 0.75 of its memory), `fraction` of physical memory shared by
     the local devices on CPU."""
@@ -88,13 +93,9 @@ def choose_remat(
     by_config = dict(traced)
     chosen = None
     for i, f in enumerate(figures):
-        compiled = by_config[f.compute].lower().compile()
-        m = compiled.memory_analysis()
-        device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes + m.host_temp_size_in_bytes
-        figures[i] = dataclasses.replace(f, device_bytes=device, host_bytes=host - m.host_alias_size_in_bytes,
-                                         host_moved=2 * sum(host_buffers(compiled.as_text())))
-        if device <= budget_bytes:
+        m = MemoryFigures.of(by_config[f.compute].lower().compile())
+        figures[i] = dataclasses.replace(f, device_bytes=m.total, host_bytes=m.host_total, host_moved=m.host_moved)
+        if m.total <= budget_bytes:
             chosen = figures[i]
             break
     table = "; ".join(

@@ -89,6 +89,11 @@ class TrainConfig:
     policy_loss: PolicyLoss | None = None
     """A policy-gradient objective (`eqx_tx.policy`) on sampled tokens; `None`: the
     weighted cross entropy of supervised fine-tuning."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (AdamW moments) in pinned host memory between steps:
+    each step brings it to the device for the update and sends it back, so the
+    device holds the moments only while it updates them (full fine-tuning of a model
+    whose moments do not fit beside it). `init_train_state` places it."""
     max_tokens_per_micro_batch: int | None = None
     """Pack each batch's sequences into rows of this many tokens (segment ids; each
     sequence computed as if alone), one row per data-parallel device per micro-batch,
@@ -172,7 +177,14 @@ def init_train_state(model: CausalLM, config: TrainConfig, *, trainable=None) ->
     params, frozen = eqx.partition(model, trainable)
     optimizer = make_optimizer(config.optimizer, params)
     opt_state = init_bank_state(optimizer, params) if has_bank(params) else optimizer.init(params)
+    if config.offload_optimizer:
+        opt_state = _moments_to(opt_state, lambda x: x.sharding.with_memory_kind("pinned_host"))
     return TrainState(params=params, frozen=frozen, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+
+
+def _moments_to(opt_state, where):
+    """The optimizer state with its moments (not its step counts) put at `where(x)`."""
+    return jax.tree.map(lambda x: jax.device_put(x, where(x)) if x.ndim else x, opt_state)
 
 
 def _split_micro_batches(tree, m: int):
@@ -265,6 +277,8 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     metrics, grads = _loss_and_grads(params, frozen, batch, coefficients, config, count)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     optimizer = make_optimizer(config.optimizer, params)
+    if config.offload_optimizer:
+        opt_state = _moments_to(opt_state, lambda _: jax.memory.Space.Device)
     if adapters is not None:
         assert batch.adapter_ids is not None
         present = adapters_present(jnp.asarray(batch.adapter_ids), batch.loss_weights, adapters)
@@ -272,6 +286,8 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     else:
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
+    if config.offload_optimizer:
+        opt_state = _moments_to(opt_state, lambda _: jax.memory.Space.Host)
     metrics = {
         **metrics,
         "grad_norm": optax.tree.norm(grads),

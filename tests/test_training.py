@@ -213,3 +213,28 @@ def test_bad_lora_settings_are_refused(checkpoints, rank, alpha, message):
     model = eqx_tx.load(checkpoints["mha_tied"], progress=False)
     with pytest.raises(ValueError, match=message):
         apply_lora(model, rank=rank, alpha=alpha, key=jax.random.key(0))
+
+
+def test_offloaded_optimizer_state_gives_the_same_steps(checkpoints):
+    """`offload_optimizer`: the AdamW moments live in pinned host memory between
+    steps (sharded like their parameters on a tp mesh) and the updates are unchanged."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    path = checkpoints["gqa4_bias"]
+    mesh = eqx_tx.make_mesh(dp=2, tp=2, devices=jax.devices()[:4])
+    batches = [jax.device_put(b, NamedSharding(mesh, P("dp"))) for b in _batches(128, 2, seed=40)]
+    results = []
+    for offload in (False, True):
+        config = TrainConfig(optimizer=dataclasses.replace(OPT, eps=1e-4), loss_chunk_size=9, offload_optimizer=offload)
+        state = init_train_state(eqx_tx.load(path, mesh=mesh, progress=False), config)
+        for b in batches:
+            state, metrics = train_step(state, b, config)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
+        assert kinds == ({"pinned_host"} if offload else {"device"}), kinds
+        results.append((state, metrics))
+    (ref, m_ref), (off, m_off) = results
+    np.testing.assert_allclose(m_off["loss"], m_ref["loss"], rtol=1e-6)
+    mu = off.opt_state[1][0].mu.model.layers.mlp.up_proj.weight  # (clip, adamw: scale_by_adam's state)
+    assert mu.sharding.spec == ref.opt_state[1][0].mu.model.layers.mlp.up_proj.weight.sharding.spec
+    for a, b in zip(jax.tree.leaves((off.params, off.opt_state)), jax.tree.leaves((ref.params, ref.opt_state))):
+        np.testing.assert_allclose(a, b, atol=1e-6)
