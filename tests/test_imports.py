@@ -14,7 +14,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 LEVELS = [
     # helpers with no model knowledge, and how a model is run
-    ["eqx_tx._log", "eqx_tx.util", "eqx_tx.fileio", "eqx_tx.tree", "eqx_tx.compute", "eqx_tx.batch"],
+    ["eqx_tx._log", "eqx_tx.util", "eqx_tx.fileio", "eqx_tx.tree", "eqx_tx.compute", "eqx_tx.batch", "eqx_tx.flops"],
     # the sharding rule table and mesh, process-level facts
     ["eqx_tx.sharding", "eqx_tx.distributed"],
     # parameter-free computations: attention kernels and their dispatch, grouped matmuls
@@ -25,7 +25,8 @@ LEVELS = [
     ["eqx_tx.models", "eqx_tx.presets"],
     # running and storing one model
     ["eqx_tx.hf_params", "eqx_tx.forward", "eqx_tx.loss", "eqx_tx.policy", "eqx_tx.bank_optimizer", "eqx_tx.token_budget", "eqx_tx.sampling",
-     "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.chat", "eqx_tx.text"],
+     "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.memory_figures", "eqx_tx.remat_auto", "eqx_tx.chat",
+     "eqx_tx.text"],
     # training and generation, their checkpoints, RL rollouts
     ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.checkpoint", "eqx_tx.rl"],
     # compile-time analysis of the jitted workflows

@@ -243,7 +243,10 @@ def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp
         for _ in stacked_shape:
             make = eqx.filter_vmap(make)
         keys = jax.random.split(k, math.prod(stacked_shape)).reshape(stacked_shape) if stacked_shape else k
-        wrapped.append(make(node, keys))
+        # One compiled initialisation per projection (eager vmapped random ops take
+        # seconds each); the base weights are read inside but not returned (no copy).
+        adapter = eqx.filter_jit(lambda base, keys: eqx.tree_at(lambda m: m.base_layer, make(base, keys), None))
+        wrapped.append(eqx.tree_at(lambda m: m.base_layer, adapter(node, keys), node, is_leaf=lambda x: x is None))
     paths = [path for path, _ in found]
     return eqx.tree_at(lambda m: [_get(m, p) for p in paths], model, wrapped)
 

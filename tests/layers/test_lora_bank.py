@@ -22,10 +22,15 @@ def _bank(path):
     model = eqx_tx.load(path, progress=False)
     bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
                              adapters=ADAPTERS, key=jax.random.key(1))
-    leaves = eqx_tx.layers.lora.lora_filter(bank)
-    keys = iter(jax.random.split(jax.random.key(2), 100))
-    return jax.tree.map(lambda x, train: x + 0.05 * jax.random.normal(next(keys), x.shape) if train else x,
-                        bank, leaves)
+    adapters, rest = eqx.partition(bank, eqx_tx.layers.lora.lora_filter(bank))
+
+    @jax.jit
+    def perturb(adapters):
+        leaves, treedef = jax.tree.flatten(adapters)
+        keys = jax.random.split(jax.random.key(2), len(leaves))
+        return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+    return eqx.combine(perturb(adapters), rest)
 
 
 def _batch(vocab, rows=slice(None)) -> eqx_tx.Batch:
@@ -61,9 +66,10 @@ def test_bank_logits_equal_each_adapter_alone(checkpoints):
     together = eqx_tx.logits(eqx_tx.select_adapters(bank, b.adapter_ids), b.input_ids, attention_mask=mask)
     base = eqx_tx.logits(eqx_tx.layers.lora.without_adapters(bank), b.input_ids)
     for row, k in enumerate(ROW_ADAPTERS):
-        n = LENGTHS[row]
-        alone = eqx_tx.logits(eqx_tx.adapter_slot(bank, int(k)), b.input_ids[row : row + 1, :n])
-        np.testing.assert_allclose(together[row, :n], alone[0], atol=1e-5)
+        n = LENGTHS[row]  # (each row alone at the batch's padded length: one shape to compile)
+        alone = eqx_tx.logits(eqx_tx.adapter_slot(bank, int(k)), b.input_ids[row : row + 1],
+                              attention_mask=mask[row : row + 1])
+        np.testing.assert_allclose(together[row, :n], alone[0, :n], atol=1e-5)
         assert np.max(np.abs(np.asarray(together[row, :n] - base[row, :n]))) > 1e-2  # the adapter does act
 
 
