@@ -25,13 +25,12 @@ import dataclasses
 import importlib
 import json
 import os
-import sys
 import time
 from typing import Annotated
 
 import tyro
 
-from eqx_tx.host_memory import reexec_with_retaining_malloc
+from eqx_tx.cli import run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.policy import PolicyLoss
 from eqx_tx.training import OptimizerConfig
@@ -266,11 +265,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    reexec_with_retaining_malloc()  # XLA:CPU buffers stay mapped between steps (eqx_tx.host_memory)
-    try:
-        main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
-        if os.environ.get("EQX_TX_DEBUG"):
-            raise
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main, Args)

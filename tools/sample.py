@@ -20,7 +20,7 @@ import tyro
 
 from eqx_tx.compute import AttentionImpl
 from eqx_tx.distributed import DistributedArgs
-from eqx_tx.host_memory import reexec_with_retaining_malloc
+from eqx_tx.cli import run_tool
 
 DEFAULT_MODEL = "runs/tiny/final"
 
@@ -196,11 +196,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    reexec_with_retaining_malloc()  # XLA:CPU buffers stay mapped between steps (eqx_tx.host_memory)
-    try:
-        main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as e:
-        if os.environ.get("EQX_TX_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main, Args)

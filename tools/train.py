@@ -14,7 +14,6 @@ the library's own `TrainConfig`, `OptimizerConfig` and `ComputeConfig`.
 
 import dataclasses
 import os
-import sys
 import time
 from typing import Annotated, Literal
 
@@ -22,7 +21,7 @@ import tyro
 
 from eqx_tx.data import LongSequences, Packing
 from eqx_tx.distributed import DistributedArgs
-from eqx_tx.host_memory import reexec_with_retaining_malloc
+from eqx_tx.cli import run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.training import OptimizerConfig, TrainConfig
 
@@ -283,11 +282,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    reexec_with_retaining_malloc()  # XLA:CPU buffers stay mapped between steps (eqx_tx.host_memory)
-    try:
-        main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, KeyError, NotADirectoryError, RuntimeError) as e:
-        if os.environ.get("EQX_TX_DEBUG"):
-            raise
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main, Args)
