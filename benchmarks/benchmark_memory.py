@@ -90,8 +90,8 @@ class Args:
     device_memory_gib: float = 40.0
     mem_fraction: float = 0.75
     """JAX's default allocator cap: the budget is device_memory_gib * mem_fraction."""
-    stage: int | None = None
-    """Run one stage (0-10); default: all."""
+    stage: tuple[int, ...] = ()
+    """Stages to run (0-10), e.g. `--stage 5 9 10`; default: all."""
     measure: Literal["compile", "run"] = "compile"
     target: Literal["a100-40gb", "h100-80gb", "cpu"] = "a100-40gb"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -342,7 +342,7 @@ def main(args: Args) -> None:
 
     batches = sorted(int(b) for b in args.batch_sizes.split(","))
     seq_lens = sorted(int(t) for t in args.seq_lens.split(","))
-    stages = [args.stage] if args.stage is not None else sorted(STAGES)
+    stages = sorted(args.stage) if args.stage else sorted(STAGES)
     for s in stages:
         if s not in STAGES:
             raise ValueError(f"--stage {s}: choose from {sorted(STAGES)}")

@@ -11,6 +11,7 @@ import torch
 
 import eqx_tx
 from eqx_tx.adapters import load_adapter, save_adapter
+from eqx_tx.checkpoint import restore_checkpoint, save_checkpoint
 from eqx_tx.hf_params import hf_tensors
 from eqx_tx.layers.lora import LoRALinear, apply_lora, lora_filter, merge_lora
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
@@ -215,9 +216,10 @@ def test_bad_lora_settings_are_refused(checkpoints, rank, alpha, message):
         apply_lora(model, rank=rank, alpha=alpha, key=jax.random.key(0))
 
 
-def test_offloaded_optimizer_state_gives_the_same_steps(checkpoints):
+def test_offloaded_optimizer_state_gives_the_same_steps(checkpoints, tmp_path):
     """`offload_optimizer`: the AdamW moments live in pinned host memory between
-    steps (sharded like their parameters on a tp mesh) and the updates are unchanged."""
+    steps (sharded like their parameters on a tp mesh), the updates are unchanged,
+    and a checkpoint restores them to host memory."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     path = checkpoints["gqa4_bias"]
@@ -238,3 +240,9 @@ def test_offloaded_optimizer_state_gives_the_same_steps(checkpoints):
     assert mu.sharding.spec == ref.opt_state[1][0].mu.model.layers.mlp.up_proj.weight.sharding.spec
     for a, b in zip(jax.tree.leaves((off.params, off.opt_state)), jax.tree.leaves((ref.params, ref.opt_state))):
         np.testing.assert_allclose(a, b, atol=1e-6)
+    save_checkpoint(tmp_path, off, metadata={})
+    template = init_train_state(eqx_tx.load(path, mesh=mesh, progress=False), config)
+    restored, _ = restore_checkpoint(tmp_path, template)
+    for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(off.opt_state)):
+        assert a.sharding.memory_kind == b.sharding.memory_kind, (a.sharding, b.sharding)
+        np.testing.assert_array_equal(a, b)
