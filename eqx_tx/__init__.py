@@ -4,6 +4,7 @@ from ._log import enable_console_logging
 from .adapters import load_adapter, save_adapter
 from .batch import Batch
 from .compute import ComputeConfig
+from .engine import Engine, TokenEvent
 from .forward import init_model, logits
 from .generation import Generation, generate, generate_text
 from .layers.lora import adapter_slot, apply_lora, merge_lora, select_adapters, set_adapter_slot
@@ -21,6 +22,7 @@ __all__ = [
     "Batch",
     "CausalLM",
     "ComputeConfig",
+    "Engine",
     "Generation",
     "LlamaConfig",
     "OptimizerConfig",
@@ -32,6 +34,7 @@ __all__ = [
     "SamplingParams",
     "TrainConfig",
     "TrainState",
+    "TokenEvent",
     "Tokenizer",
     "adapter_slot",
     "apply_chat_template",

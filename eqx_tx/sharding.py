@@ -65,6 +65,9 @@ RULES: Mapping[str, MeshAxes] = {
     "cache_batch": ("dp", "ep"),
     "cache_seq": None,
     "cache_kv_heads": "tp",
+    # a paged cache's pool and page tables (`eqx_tx.layers.paged_kv_cache`)
+    "cache_pages": None,
+    "cache_table": None,
 }
 
 

@@ -12,7 +12,7 @@ from ..kernels.ring import ring_attention
 from ..kernels.sdpa import attend
 from ..kernels.shared_prefix import shared_prefix_attention
 from ..sharding import AnyMesh, constrain
-from .kv_cache import Cache, KVCache, SharedPrefixCache
+from .kv_cache import Cache, KVCache, PagedKVCache, SharedPrefixCache
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -110,7 +110,8 @@ class Attention(eqx.Module):
         q_bthk = checkpoint_name(constrain(q_bthk, ("batch", "seq", "act_heads", None)), "q")
         k_bthk = checkpoint_name(constrain(k_bthk, ("batch", "seq", "act_kv_heads", None)), "k")
         v_bthk = checkpoint_name(constrain(v_bthk, ("batch", "seq", "act_kv_heads", None)), "v")
-        keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) else k_bthk.shape
+        keys_shape = (cache.k.shape[1:] if isinstance(cache, KVCache)
+                      else cache.keys_shape if isinstance(cache, PagedKVCache) else k_bthk.shape)
         choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
                                   q_offset=mask.q_offset, mesh=mesh, compute=compute,
                                   segmented=mask.segment_ids is not None)
@@ -136,7 +137,7 @@ class Attention(eqx.Module):
             o_bthk = ring_attention(q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=mesh,
                                     segment_ids=mask.segment_ids, block_q=bq, block_kv=bkv)
         else:
-            if isinstance(cache, KVCache):
+            if isinstance(cache, (KVCache, PagedKVCache)):
                 assert layer is not None and positions is not None
                 cache = cache.write(layer, k_bthk, v_bthk, positions)
                 keys, values = cache.layer(layer)

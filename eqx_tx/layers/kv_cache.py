@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from ..kernels.quantized import Quantized
 from ..sharding import HasAxes
+from .paged_kv_cache import PagedKVCache
 
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
 SCALE_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads")
@@ -105,5 +106,5 @@ class SharedPrefixCache(eqx.Module):
         return self.completion.k.shape[1] // self.prompt.k.shape[1]
 
 
-Cache = KVCache | SharedPrefixCache
+Cache = KVCache | SharedPrefixCache | PagedKVCache
 """What a model reads and writes while sampling."""

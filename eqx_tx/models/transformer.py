@@ -14,6 +14,7 @@ from ..compute import ComputeConfig
 from ..layers.attention import Attention, AttentionMask
 from ..layers.block import DecoderBlock, run_stack
 from ..layers.kv_cache import Cache, KVCache, SharedPrefixCache
+from ..layers.paged_kv_cache import PagedKVCache
 from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE, RouterStats
@@ -189,12 +190,26 @@ def new_cache(
     - `abstract`: return sharded `jax.ShapeDtypeStruct`s instead of arrays (for
       compile-only memory analysis).
     """
-    dtype = jnp.dtype(dtype)
+    return _placed(lambda: KVCache.zeros(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
+                                         kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                         dtype=jnp.dtype(dtype)), mesh, abstract)
 
-    def zeros():
-        return KVCache.zeros(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
-                             kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype)
 
+def new_paged_cache(
+    config: TransformerConfig, *, pages: int, page_size: int, batch: int, pages_per_seq: int, dtype, mesh=None,
+    abstract: bool = False,
+) -> PagedKVCache:
+    """An empty page pool of `pages` pages of `page_size` tokens and an unallocated
+    page table for `batch` sequences of up to `pages_per_seq` pages, placed like
+    `new_cache` (kv heads over `tp`)."""
+    return _placed(lambda: PagedKVCache.zeros(layers=config.num_hidden_layers, pages=pages, page_size=page_size,
+                                              kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                              dtype=jnp.dtype(dtype), batch=batch, pages_per_seq=pages_per_seq),
+                   mesh, abstract)
+
+
+def _placed(zeros, mesh, abstract: bool):
+    """`zeros()` created in its sharding on `mesh`, or as sharded shapes if `abstract`."""
     shapes = jax.eval_shape(zeros)
     if abstract:
         return shapes if mesh is None else abstract_with_shardings(shapes, mesh)

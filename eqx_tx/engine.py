@@ -1,0 +1,296 @@
+"""A sampling engine: a paged KV cache and continuous batching.
+
+`generate` runs a static batch: every request gets a cache row of the longest
+`prompt + max_new_tokens`, and nothing new starts until the slowest one ends.
+`Engine` keeps `max_seqs` decode slots over one pool of KV pages
+(`eqx_tx.layers.paged_kv_cache`). Each `step()`:
+
+1. admits waiting requests (oldest first) into free slots while the pool can
+   promise them every page they may need (`prompt + max_new_tokens` tokens), so a
+   running request never runs out of pages and a full pool makes requests wait;
+2. prefills one chunk (`prefill_chunk` positions) of the oldest admitted request;
+3. runs one decode step for every running request (one jitted call, fixed shapes:
+   nothing recompiles as requests come and go), handing out pages as they fill.
+
+A finished request's slot and pages go to the next waiting request at once. Each
+request's tokens and log-probs equal `generate` on that request alone: the
+sampler draws token `i` with the request's own key (`SamplingParams.seed`), and
+attention reads exactly the request's own positions.
+"""
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .compute import ComputeConfig
+from .distributed import to_host
+from .generation import STOP_REASONS, Generation, _check_requests, _decode_one, _last_token_logits
+from .layers.attention import AttentionMask
+from .layers.paged_kv_cache import PagedKVCache
+from .models import CausalLM
+from .models.transformer import new_paged_cache
+from .sampling import SamplerArrays, SamplingParams, candidate_window, sample_batch
+from .sharding import current_mesh, mesh_context
+from .util import ceil_div
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One new token of a request; `finish_reason` is `"stop"` or `"length"` on its last."""
+
+    request_id: int
+    token: int
+    logprob: float
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop: frozenset[int]
+    pages_needed: int
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.slot is not None and self.prefilled == len(self.prompt)
+
+
+@functools.partial(jax.jit, static_argnames="compute", donate_argnames="cache")
+def _prefill_chunk(model: CausalLM, cache: PagedKVCache, table, tokens, start, length, *, compute: ComputeConfig):
+    """Positions `[start, start + C)` of one prompt (`tokens [1, C]`, real up to `length`)
+    into its pages (`table [1, pages_per_seq]`); returns the cache and the logits
+    after the prompt's last token (meaningful once the chunk holds it)."""
+    C = tokens.shape[1]
+    positions = start + jnp.arange(C, dtype=jnp.int32)[None]
+    mask = AttentionMask(kv_lengths=length[None], q_offset=start[None])
+    out = model.hidden_states(tokens, positions=positions, mask=mask, compute=compute, cache=cache.with_table(table))
+    assert isinstance(out.cache, PagedKVCache)
+    last = jax.lax.dynamic_index_in_dim(out.hidden[0], jnp.clip(length - 1 - start, 0, C - 1), keepdims=False)
+    return out.cache.with_table(cache.page_table), _last_token_logits(model, last[None])[0]
+
+
+@functools.partial(jax.jit, donate_argnames="logits")
+def _set_row(logits, row, values):
+    return logits.at[row].set(values)
+
+
+@functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
+def _decode_step(model: CausalLM, cache: PagedKVCache, logits, table, positions, generated, sampler: SamplerArrays,
+                 *, compute: ComputeConfig):
+    """Sample token `generated[s]` of every slot from `logits` and feed it at
+    `positions[s]`; idle slots have only unallocated pages (their writes are dropped)."""
+    token, logp = sample_batch(logits, sampler, generated)
+    out, logits = _decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
+    assert isinstance(out, PagedKVCache)
+    return out, logits, token, logp
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    **Arguments:**
+
+    - `model`: the model (possibly sharded over `tp`: the pool's kv heads follow it).
+    - `max_seqs`: decode slots (sequences generating at once).
+    - `max_tokens_in_cache`: the pool's size in tokens (rounded down to whole pages).
+    - `page_size`: tokens per page.
+    - `prefill_chunk`: prompt positions prefilled per step.
+    - `max_seq_len`: the longest `prompt + max_new_tokens` a request may have
+      (default: the pool, or the model's position limit if smaller).
+    - `cache_dtype`: the pool's dtype (default: the model's); `"int8"` as `generate`.
+    - `compute`: attention implementation etc.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        max_seqs: int,
+        max_tokens_in_cache: int,
+        page_size: int = 16,
+        prefill_chunk: int = 256,
+        max_seq_len: int | None = None,
+        cache_dtype=None,
+        compute: ComputeConfig = ComputeConfig(),
+    ):
+        config = model.config
+        for name, value in (("max_seqs", max_seqs), ("page_size", page_size), ("prefill_chunk", prefill_chunk)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_pages = max_tokens_in_cache // page_size
+        if self.num_pages < 1:
+            raise ValueError(f"max_tokens_in_cache {max_tokens_in_cache} holds no page of {page_size} tokens")
+        limit = self.num_pages * page_size
+        if not config.rope.extends_past_max_position:
+            limit = min(limit, config.max_position_embeddings)
+        self.max_seq_len = min(max_seq_len or limit, limit)
+        self.model, self.compute, self.page_size, self.prefill_chunk = model, compute, page_size, prefill_chunk
+        self.max_seqs = max_seqs
+        pages_per_seq = ceil_div(self.max_seq_len, page_size)
+        dtype = model.dtype if cache_dtype is None else cache_dtype
+        with mesh_context(model):
+            self._cache = new_paged_cache(config, pages=self.num_pages, page_size=page_size, batch=max_seqs,
+                                          pages_per_seq=pages_per_seq, dtype=dtype, mesh=current_mesh())
+            self._logits = jnp.zeros((max_seqs, config.vocab_size), jnp.float32)
+        self._table = np.full((max_seqs, pages_per_seq), self.num_pages, np.int32)
+        self._free = collections.deque(range(self.num_pages))
+        self._promised = 0  # pages admitted requests may still take
+        self._slots: list[_Request | None] = [None] * max_seqs
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._finished: dict[int, Generation] = {}
+        self._next_id = 0
+        self._sampler: SamplerArrays | None = None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+        """Queue a request; returns its id. Raises `ValueError` for a request the engine
+        can never hold (longer than `max_seq_len`, or needing more pages than the pool)."""
+        [prompt], [params] = _check_requests(self.model.config, [prompt_ids], [params], 1, None)
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(f"request needs {len(prompt)} prompt + {params.max_new_tokens} new tokens = {total}, "
+                             f"more than the engine's max_seq_len {self.max_seq_len}")
+        need = ceil_div(total, self.page_size)
+        if need > self.num_pages:
+            raise ValueError(f"request needs {need} pages of {self.page_size} tokens; the pool has {self.num_pages}")
+        stop = params.stop_token_ids if params.stop_token_ids is not None else self.model.config.eos_token_ids
+        request = _Request(self._next_id, prompt, params, frozenset(stop), need)
+        self._next_id += 1
+        self._waiting.append(request)
+        return request.id
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    def result(self, request_id: int) -> Generation:
+        """The finished request's result (removed from the engine). `KeyError` if it is not finished."""
+        return self._finished.pop(request_id)
+
+    def run(self, requests: Iterable[tuple[Sequence[int], SamplingParams]]) -> list[Generation]:
+        """Add every `(prompt_ids, params)` and step until all finish; results in order."""
+        ids = [self.add(prompt, params) for prompt, params in requests]
+        while not all(i in self._finished for i in ids):
+            self.step()
+        return [self.result(i) for i in ids]
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Admit, prefill one chunk, decode one token for every running request.
+
+        **Returns:** the new tokens, one event per running request."""
+        self._admit()
+        with mesh_context(self.model):
+            self._prefill()
+            return self._decode()
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            request = self._waiting[0]
+            if len(self._free) - self._promised < request.pages_needed:
+                return  # the oldest waits for pages (no overtaking: no starvation)
+            self._waiting.popleft()
+            request.slot = self._slots.index(None)
+            self._slots[request.slot] = request
+            self._promised += request.pages_needed
+            self._sampler = None
+
+    def _take_page(self, request: _Request) -> None:
+        assert request.slot is not None and len(request.pages) < request.pages_needed
+        page = self._free.popleft()
+        self._table[request.slot, len(request.pages)] = page
+        request.pages.append(page)
+        self._promised -= 1
+
+    def _prefill(self) -> None:
+        pending = [r for r in self._slots if r is not None and not r.running]
+        if not pending:
+            return
+        request = min(pending, key=lambda r: r.id)
+        assert request.slot is not None
+        start, C = request.prefilled, self.prefill_chunk
+        end = min(start + C, len(request.prompt))
+        while len(request.pages) * self.page_size < end:
+            self._take_page(request)
+        tokens = np.zeros((1, C), np.int32)
+        tokens[0, : end - start] = request.prompt[start:end]
+        self._cache, logits = _prefill_chunk(
+            self.model, self._cache, jnp.asarray(self._table[request.slot : request.slot + 1]), jnp.asarray(tokens),
+            jnp.asarray(start, jnp.int32), jnp.asarray(len(request.prompt), jnp.int32), compute=self.compute,
+        )
+        request.prefilled = end
+        if request.running:
+            self._logits = _set_row(self._logits, request.slot, logits)
+
+    def _sampler_arrays(self) -> SamplerArrays:
+        if self._sampler is None:
+            params = [r.params if r is not None else SamplingParams() for r in self._slots]
+            vocab = self.model.config.vocab_size
+            self._sampler = SamplerArrays(
+                temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                top_k=jnp.asarray([min(p.top_k, vocab) for p in params], jnp.int32),
+                top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                seed=jnp.asarray([p.seed for p in params], jnp.uint32),
+                sample=jnp.zeros((self.max_seqs,), jnp.uint32),
+                max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                stop_ids=jnp.full((self.max_seqs, 1), -1, jnp.int32),  # stops are checked here, on the host
+                window=candidate_window(max(p.top_k for p in params), vocab),
+            )
+        return self._sampler
+
+    def _decode(self) -> list[TokenEvent]:
+        running = [r for r in self._slots if r is not None and r.running]
+        if not running:
+            return []
+        table = np.full_like(self._table, self.num_pages)  # idle and prefilling slots: writes dropped
+        positions = np.zeros((self.max_seqs,), np.int32)
+        generated = np.zeros((self.max_seqs,), np.int32)
+        for r in running:
+            assert r.slot is not None
+            position = len(r.prompt) + len(r.tokens)  # where this step's token is written
+            if position // self.page_size >= len(r.pages):
+                self._take_page(r)
+            table[r.slot], positions[r.slot], generated[r.slot] = self._table[r.slot], position, len(r.tokens)
+        self._cache, self._logits, token, logp = _decode_step(
+            self.model, self._cache, self._logits, jnp.asarray(table), jnp.asarray(positions), jnp.asarray(generated),
+            self._sampler_arrays(), compute=self.compute,
+        )
+        token, logp = to_host(token), to_host(logp)
+        events = []
+        for r in running:
+            assert r.slot is not None
+            t, lp = int(token[r.slot]), float(logp[r.slot])
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            reason = "stop" if t in r.stop else "length" if len(r.tokens) >= r.params.max_new_tokens else None
+            events.append(TokenEvent(r.id, t, lp, reason))
+            if reason is not None:
+                self._finish(r, reason)
+        return events
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        assert request.slot is not None and reason in STOP_REASONS
+        self._free.extend(request.pages)
+        self._promised -= request.pages_needed - len(request.pages)
+        self._table[request.slot] = self.num_pages
+        self._slots[request.slot] = None
+        self._sampler = None
+        self._finished[request.id] = Generation(request.tokens, request.logprobs, reason)

@@ -1,0 +1,86 @@
+"""The continuous-batching engine over a paged KV cache: every request equals
+`generate` on that request alone, whatever runs beside it and whenever it arrives."""
+
+import jax
+import numpy as np
+import pytest
+
+import eqx_tx
+from eqx_tx.engine import _decode_step
+from eqx_tx.sampling import SamplingParams
+
+
+def _workload(vocab: int, seed: int):
+    """Ragged prompts with long-tailed output lengths; greedy and seeded top-k/top-p
+    requests mixed; a stop token that some sampled requests hit early."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(9):
+        prompt = rng.integers(0, vocab, size=int(rng.integers(1, 40))).tolist()
+        max_new = int(min(3 + rng.geometric(0.15), 30))
+        if i % 3 == 0:
+            params = SamplingParams(max_new_tokens=max_new)
+        else:
+            params = SamplingParams(max_new_tokens=max_new, temperature=0.9, top_k=[0, 20][i % 2], top_p=0.9,
+                                    seed=100 + i, stop_token_ids=(3, 5))
+        requests.append((prompt, params))
+    return requests
+
+
+def _assert_equal_to_generate(model, requests, results, cache_dtype=None):
+    """Against one `generate` call over all requests: its results do not depend on
+    the batch (`test_generation.py::test_sampling_is_deterministic_and_batch_independent`),
+    so this is `generate` on each request alone, at one compile."""
+    prompts, params = zip(*requests)
+    for (prompt, sp), got, want in zip(requests, results, eqx_tx.generate(model, prompts, params, cache_dtype=cache_dtype)):
+        assert got.tokens == want.tokens and got.stop_reason == want.stop_reason, (prompt, sp)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints, cache_dtype):
+    """Three slots, a pool that cannot hold every request at once (requests wait for
+    pages), prompts longer than a prefill chunk, requests added mid-run; each equals
+    `generate` alone, the decode step compiles once, and the pool ends empty."""
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    requests = _workload(model.config.vocab_size, seed=0)
+    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=8, prefill_chunk=16, cache_dtype=cache_dtype)
+    compiled = _decode_step._cache_size()
+    ids = [engine.add(*r) for r in requests[:4]]
+    streamed: dict[int, list[int]] = {}
+    steps, peak_pages = 0, 0
+    while engine.has_work() or len(ids) < len(requests):
+        if steps % 5 == 4 and len(ids) < len(requests):
+            ids.append(engine.add(*requests[len(ids)]))
+        for event in engine.step():
+            streamed.setdefault(event.request_id, []).append(event.token)
+        peak_pages = max(peak_pages, engine.pages_in_use)
+        steps += 1
+    results = [engine.result(i) for i in ids]
+    assert [streamed[i] for i in ids] == [r.tokens for r in results]
+    assert engine.pages_in_use == 0 and peak_pages <= engine.num_pages
+    assert len({r.stop_reason for r in results}) == 2  # some stop early, some run to their length
+    assert _decode_step._cache_size() - compiled == 1  # fixed shapes: one compile for the whole run
+    _assert_equal_to_generate(model, requests, results, cache_dtype)
+
+
+def test_tp_engine_equals_generate(checkpoints):
+    """On a tp=2 mesh (the pool's kv heads split like the model's)."""
+    mesh = eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
+    model = eqx_tx.load(checkpoints["gqa4_bias"], mesh=mesh, progress=False)
+    requests = _workload(model.config.vocab_size, seed=1)[:5]
+    engine = eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=128, page_size=16, prefill_chunk=32)
+    assert engine._cache.k.sharding.spec[3] == "tp"
+    _assert_equal_to_generate(model, requests, engine.run(requests))
+
+
+def test_requests_that_can_never_fit_are_refused(checkpoints):
+    model = eqx_tx.load(checkpoints["mha_tied"], progress=False)
+    engine = eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=64, page_size=8)
+    with pytest.raises(ValueError, match="60 prompt \\+ 10 new tokens = 70, more than the engine's max_seq_len 64"):
+        engine.add(list(range(60)), SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
+        engine.add([1, 2, 1000])
+    with pytest.raises(ValueError, match="holds no page"):
+        eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=4, page_size=8)
+    assert not engine.has_work()
