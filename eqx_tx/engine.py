@@ -8,14 +8,18 @@
 1. admits waiting requests (oldest first) into free slots while the pool can
    promise them every page they may need (`prompt + max_new_tokens` tokens), so a
    running request never runs out of pages and a full pool makes requests wait;
-2. prefills one chunk (`prefill_chunk` positions) of the oldest admitted request;
+2. prefills one chunk (`prefill_chunk` positions) of the oldest admitted request,
+   starting after the longest prefix whose pages are cached from earlier requests
+   (`eqx_tx.page_pool`: full pages keyed by their token prefix, shared by
+   reference count, least recently used evicted first);
 3. runs one decode step for every running request (one jitted call, fixed shapes:
    nothing recompiles as requests come and go), handing out pages as they fill.
 
-A finished request's slot and pages go to the next waiting request at once. Each
-request's tokens and log-probs equal `generate` on that request alone: the
-sampler draws token `i` with the request's own key (`SamplingParams.seed`), and
-attention reads exactly the request's own positions.
+A finished request's slot and pages go to the next waiting request at once (its
+full pages stay cached until the space is needed). Each request's tokens and
+log-probs equal `generate` on that request alone: the sampler draws token `i` with
+the request's own key (`SamplingParams.seed`), and attention reads exactly the
+request's own positions.
 """
 
 import collections
@@ -34,6 +38,7 @@ from .layers.attention import AttentionMask
 from .layers.paged_kv_cache import PagedKVCache
 from .models import CausalLM
 from .models.transformer import new_paged_cache
+from .page_pool import PagePool
 from .sampling import SamplerArrays, SamplingParams, candidate_window, sample_batch
 from .sharding import current_mesh, mesh_context
 from .util import ceil_div
@@ -54,10 +59,13 @@ class _Request:
     id: int
     prompt: list[int]
     params: SamplingParams
+    sample: int
     stop: frozenset[int]
     pages_needed: int
+    promised: int = 0  # pages promised and not yet taken
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
+    looked_up: bool = False  # the prefix cache was asked
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -145,8 +153,8 @@ class Engine:
                                           pages_per_seq=pages_per_seq, dtype=dtype, mesh=current_mesh())
             self._logits = jnp.zeros((max_seqs, config.vocab_size), jnp.float32)
         self._table = np.full((max_seqs, pages_per_seq), self.num_pages, np.int32)
-        self._free = collections.deque(range(self.num_pages))
-        self._promised = 0  # pages admitted requests may still take
+        self._pool = PagePool(self.num_pages, page_size)
+        self._prompt_tokens = self._cached_tokens = 0
         self._slots: list[_Request | None] = [None] * max_seqs
         self._waiting: collections.deque[_Request] = collections.deque()
         self._finished: dict[int, Generation] = {}
@@ -155,9 +163,11 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
-        """Queue a request; returns its id. Raises `ValueError` for a request the engine
-        can never hold (longer than `max_seq_len`, or needing more pages than the pool)."""
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), *, sample: int = 0) -> int:
+        """Queue a request; returns its id. `sample`: which of a prompt's `n` samples it
+        is (its seed stream, as `generate(..., n=n)`); samples of one prompt share its
+        cached pages. Raises `ValueError` for a request the engine can never hold
+        (longer than `max_seq_len`, or needing more pages than the pool)."""
         [prompt], [params] = _check_requests(self.model.config, [prompt_ids], [params], 1, None)
         total = len(prompt) + params.max_new_tokens
         if total > self.max_seq_len:
@@ -167,7 +177,7 @@ class Engine:
         if need > self.num_pages:
             raise ValueError(f"request needs {need} pages of {self.page_size} tokens; the pool has {self.num_pages}")
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.model.config.eos_token_ids
-        request = _Request(self._next_id, prompt, params, frozenset(stop), need)
+        request = _Request(self._next_id, prompt, params, sample, frozenset(stop), need)
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -189,7 +199,15 @@ class Engine:
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages in running requests' page tables."""
+        return self._pool.referenced
+
+    def stats(self) -> dict:
+        """Pages referenced and cached, and the prefix cache's hit rate: the share of
+        admitted prompt tokens whose keys/values came from the cache."""
+        return dict(pages=self.num_pages, pages_in_use=self._pool.referenced, pages_cached=self._pool.cached,
+                    prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
+                    hit_rate=self._cached_tokens / max(self._prompt_tokens, 1))
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -205,20 +223,31 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             request = self._waiting[0]
-            if len(self._free) - self._promised < request.pages_needed:
+            if not self._pool.promise(request.pages_needed):
                 return  # the oldest waits for pages (no overtaking: no starvation)
             self._waiting.popleft()
+            request.promised = request.pages_needed
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
-            self._promised += request.pages_needed
             self._sampler = None
 
     def _take_page(self, request: _Request) -> None:
-        assert request.slot is not None and len(request.pages) < request.pages_needed
-        page = self._free.popleft()
+        assert request.slot is not None and request.promised > 0
+        page = self._pool.take()
         self._table[request.slot, len(request.pages)] = page
         request.pages.append(page)
-        self._promised -= 1
+        request.promised -= 1
+
+    def _reuse_prefix(self, request: _Request) -> None:
+        """Start `request` after its longest cached prefix (its last prompt token is
+        always computed: its logits are needed)."""
+        assert request.slot is not None
+        shared = self._pool.share(request.prompt, (len(request.prompt) - 1) // self.page_size)
+        request.looked_up, request.pages, request.promised = True, shared, request.promised - len(shared)
+        self._table[request.slot, : len(shared)] = shared
+        request.prefilled = len(shared) * self.page_size
+        self._prompt_tokens += len(request.prompt)
+        self._cached_tokens += request.prefilled
 
     def _prefill(self) -> None:
         pending = [r for r in self._slots if r is not None and not r.running]
@@ -226,6 +255,8 @@ class Engine:
             return
         request = min(pending, key=lambda r: r.id)
         assert request.slot is not None
+        if not request.looked_up:
+            self._reuse_prefix(request)
         start, C = request.prefilled, self.prefill_chunk
         end = min(start + C, len(request.prompt))
         while len(request.pages) * self.page_size < end:
@@ -239,6 +270,7 @@ class Engine:
         request.prefilled = end
         if request.running:
             self._logits = _set_row(self._logits, request.slot, logits)
+            self._pool.register(request.prompt, request.pages)  # later requests may share its full pages
 
     def _sampler_arrays(self) -> SamplerArrays:
         if self._sampler is None:
@@ -249,7 +281,7 @@ class Engine:
                 top_k=jnp.asarray([min(p.top_k, vocab) for p in params], jnp.int32),
                 top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
                 seed=jnp.asarray([p.seed for p in params], jnp.uint32),
-                sample=jnp.zeros((self.max_seqs,), jnp.uint32),
+                sample=jnp.asarray([r.sample if r is not None else 0 for r in self._slots], jnp.uint32),
                 max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
                 stop_ids=jnp.full((self.max_seqs, 1), -1, jnp.int32),  # stops are checked here, on the host
                 window=candidate_window(max(p.top_k for p in params), vocab),
@@ -288,8 +320,10 @@ class Engine:
 
     def _finish(self, request: _Request, reason: str) -> None:
         assert request.slot is not None and reason in STOP_REASONS
-        self._free.extend(request.pages)
-        self._promised -= request.pages_needed - len(request.pages)
+        # Every token's keys/values are written (the last one's too): its full pages can be reused.
+        self._pool.register(request.prompt + request.tokens, request.pages)
+        self._pool.release(request.pages)
+        self._pool.unpromise(request.promised)
         self._table[request.slot] = self.num_pages
         self._slots[request.slot] = None
         self._sampler = None

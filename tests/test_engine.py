@@ -84,3 +84,30 @@ def test_requests_that_can_never_fit_are_refused(checkpoints):
     with pytest.raises(ValueError, match="holds no page"):
         eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=4, page_size=8)
     assert not engine.has_work()
+
+
+def test_cached_prefix_pages_are_shared_and_exact(checkpoints):
+    """A 24-token system prompt (3 pages of 8) before each request is computed once:
+    later requests start after it (and `n` samples of one prompt share its pages),
+    and every result still equals `generate` alone (samples as `generate(..., n=3)`)."""
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, model.config.vocab_size, size=24).tolist()
+    prompts = [system + rng.integers(0, model.config.vocab_size, size=k).tolist() for k in (1, 4, 9, 2)]
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=9, temperature=0.8, seed=7)] * 2
+    engine = eqx_tx.Engine(model, max_seqs=4, max_tokens_in_cache=160, page_size=8, prefill_chunk=16)
+    ids = [engine.add(p, sp) for p, sp in zip(prompts, params)]
+    sampled = SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, seed=11)
+    ids += [engine.add(prompts[2], sampled, sample=j) for j in range(3)]
+    while engine.has_work():
+        engine.step()
+    results = [engine.result(i) for i in ids]
+    _assert_equal_to_generate(model, list(zip(prompts, params)), results[:4])
+    for got, want in zip(results[4:], eqx_tx.generate(model, [prompts[2]], sampled, n=3)):
+        assert got.tokens == want.tokens
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    stats = engine.stats()
+    # The first request computes the system prompt; the next three reuse its 3 pages; the
+    # samples reuse prompts[2]'s first 4 full pages (33 tokens: the last is always computed).
+    assert stats["cached_tokens"] == 3 * 24 + 3 * 32, stats
+    assert stats["pages_in_use"] == 0 and stats["pages_cached"] > 0

@@ -25,7 +25,7 @@ LEVELS = [
     ["eqx_tx.models", "eqx_tx.presets"],
     # running and storing one model
     ["eqx_tx.hf_params", "eqx_tx.forward", "eqx_tx.loss", "eqx_tx.policy", "eqx_tx.bank_optimizer", "eqx_tx.token_budget", "eqx_tx.sampling",
-     "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.memory_figures", "eqx_tx.remat_auto", "eqx_tx.chat",
+     "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.memory_figures", "eqx_tx.remat_auto", "eqx_tx.chat", "eqx_tx.page_pool",
      "eqx_tx.text"],
     # training and generation, their checkpoints, RL rollouts
     ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.engine", "eqx_tx.checkpoint", "eqx_tx.rl"],
