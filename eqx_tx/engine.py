@@ -190,6 +190,19 @@ class Engine:
         """The finished request's result (removed from the engine). `KeyError` if it is not finished."""
         return self._finished.pop(request_id)
 
+    def cancel(self, request_id: int) -> None:
+        """Stop a waiting or running request now (a client went away): its slot and
+        pages are freed and no result is kept. Unknown or finished ids are ignored."""
+        self._finished.pop(request_id, None)
+        for request in self._waiting:
+            if request.id == request_id:
+                self._waiting.remove(request)
+                return
+        for request in self._slots:
+            if request is not None and request.id == request_id:
+                self._finish(request, None)
+                return
+
     def run(self, requests: Iterable[tuple[Sequence[int], SamplingParams]]) -> list[Generation]:
         """Add every `(prompt_ids, params)` and step until all finish; results in order."""
         ids = [self.add(prompt, params) for prompt, params in requests]
@@ -318,13 +331,17 @@ class Engine:
                 self._finish(r, reason)
         return events
 
-    def _finish(self, request: _Request, reason: str) -> None:
-        assert request.slot is not None and reason in STOP_REASONS
-        # Every token's keys/values are written (the last one's too): its full pages can be reused.
-        self._pool.register(request.prompt + request.tokens, request.pages)
+    def _finish(self, request: _Request, reason: str | None) -> None:
+        """Free the request's slot and pages; keep its result unless it was cancelled (`reason` None)."""
+        assert request.slot is not None
+        # Keys/values of the prompt and every token fed are written: the full pages can be reused.
+        written = request.prompt[: request.prefilled] + (request.tokens if request.running else [])
+        self._pool.register(written, request.pages)
         self._pool.release(request.pages)
         self._pool.unpromise(request.promised)
         self._table[request.slot] = self.num_pages
         self._slots[request.slot] = None
         self._sampler = None
-        self._finished[request.id] = Generation(request.tokens, request.logprobs, reason)
+        if reason is not None:
+            assert reason in STOP_REASONS
+            self._finished[request.id] = Generation(request.tokens, request.logprobs, reason)

@@ -28,7 +28,7 @@ LEVELS = [
      "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.memory_figures", "eqx_tx.remat_auto", "eqx_tx.chat", "eqx_tx.page_pool",
      "eqx_tx.text"],
     # training and generation, their checkpoints, RL rollouts
-    ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.engine", "eqx_tx.checkpoint", "eqx_tx.rl"],
+    ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.engine", "eqx_tx.server", "eqx_tx.checkpoint", "eqx_tx.rl"],
     # compile-time analysis of the jitted workflows
     ["eqx_tx.memory"],
     # the public API

@@ -1,0 +1,140 @@
+"""tools/serve.py with the official `openai` client: completions and chat, streaming
+and not, concurrent requests equal to `generate`, stop strings, 4xx answers that
+leave the server working, and a client leaving mid-stream (its pages are freed)."""
+
+import concurrent.futures
+import shutil
+import socket
+import threading
+import time
+
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+import eqx_tx
+from eqx_tx.sampling import SamplingParams
+from tests.tools_util import ROOT, load_tool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(trained_tiny, tmp_path_factory):
+    """(client, engine loop, tokenizer) of a server on the trained tiny model with a chat template."""
+    directory = tmp_path_factory.mktemp("served") / "tiny"
+    shutil.copytree(trained_tiny, directory)
+    shutil.copy(f"{ROOT}/tests/fixtures/chat_templates/qwen3.jinja", directory / "chat_template.jinja")
+    serve = load_tool("serve")
+    loop, app = serve.build(serve.Args(model=str(directory), max_seqs=4, max_tokens_in_cache=2048, page_size=16,
+                                       prefill_chunk=32))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+    yield client, loop, eqx_tx.load_tokenizer(directory)
+    server.should_exit = True
+    thread.join()
+    loop.stop()
+
+
+def _idle(loop) -> tuple[bool, int]:
+    return loop.call(lambda engine: (engine.has_work(), engine.pages_in_use))
+
+
+def test_completions_stream_and_not_equal_generate_under_concurrency(served):
+    client, loop, tokenizer = served
+    model = loop.engine.model
+    prompts = ["Once upon a time", "The cat", "A little girl named Lily", "One day, a big"]
+    seeds = [1, 2, 3, 4]
+
+    def ask(i: int):
+        return client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12, temperature=0.8, top_p=0.9,
+                                         seed=seeds[i], logprobs=1, extra_body={"top_k": 20})
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=s) for s in seeds]
+    expected = eqx_tx.generate(model, [tokenizer.encode(p) for p in prompts], params)
+    for answer, want in zip(answers, expected):
+        [choice] = answer.choices
+        assert choice.text == tokenizer.decode(want.tokens)
+        assert choice.finish_reason == want.stop_reason
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs, rtol=1e-4, atol=1e-5)
+    assert answers[0].usage.prompt_tokens == len(tokenizer.encode(prompts[0]))
+
+    stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0.8, top_p=0.9,
+                                       seed=seeds[0], stream=True, extra_body={"top_k": 20})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == answers[0].choices[0].text
+    assert chunks[-1].choices[0].finish_reason == answers[0].choices[0].finish_reason
+    assert _idle(loop) == (False, 0)
+
+
+def test_chat_with_n_samples_and_stop_strings(served):
+    client, loop, tokenizer = served
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=1.0, n=3,
+                                            seed=5, logprobs=True)
+    assert len(answer.choices) == 3 and len({c.message.content for c in answer.choices}) > 1
+    prompt = tokenizer.encode_prompt(messages, chat=True)
+    expected = eqx_tx.generate(loop.engine.model, [prompt], SamplingParams(max_new_tokens=10, temperature=1.0, seed=5),
+                               n=3)
+    for choice, want in zip(answer.choices, expected):
+        assert choice.message.content == tokenizer.decode(want.tokens)
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(want.logprobs, rel=1e-4, abs=1e-5)
+
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=1.0, n=3,
+                                            seed=5, stream=True)
+    texts = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in answer.choices]
+
+    # A stop string cuts the text before it and ends the sample with "stop".
+    greedy = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 :][:3]
+    cut = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
+    client, loop, _ = served
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="exceeds max_position_embeddings 2048"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=5000)
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="n must be >= 1"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4, n=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens="many")  # type: ignore[arg-type]
+    answer = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
+    assert _idle(loop) == (False, 0)
+
+
+def test_a_client_leaving_mid_stream_frees_its_pages(served):
+    client, loop, _ = served
+    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1500, temperature=1.0,
+                                       seed=0, stream=True, extra_body={"top_k": 1000})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    assert _idle(loop)[1] > 0  # the request holds pages while it runs
+    stream.close()
+    deadline = time.time() + 60
+    while _idle(loop) != (False, 0):
+        assert time.time() < deadline, "the abandoned request kept running"
+        time.sleep(0.1)

@@ -1,0 +1,79 @@
+"""Serve a model over an OpenAI-compatible HTTP API (needs the `serve` extra).
+
+Requests share one continuous-batching engine (`eqx_tx.Engine`: paged KV cache,
+prefix cache across requests). Any OpenAI client works:
+
+    python tools/serve.py --model runs/tiny/final --port 8000
+    python -c "from openai import OpenAI; c = OpenAI(base_url='http://localhost:8000/v1', api_key='-');
+               print(c.completions.create(model='final', prompt='Once upon a time', max_tokens=32))"
+
+`top_k` is an extra body field (`extra_body={"top_k": 20}`); `logprobs` gives each
+sampled token's log-probability (no alternatives).
+"""
+
+import dataclasses
+import os
+from typing import Literal
+
+from eqx_tx.cli import run_tool
+from eqx_tx.compute import AttentionImpl
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "runs/tiny/final"
+    """An HF checkpoint directory or a hub repo id."""
+    model_name: str | None = None
+    """The name clients ask for (default: the directory's name)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_seqs: int = 16
+    """Sequences decoded at once (engine slots)."""
+    max_tokens_in_cache: int = 65536
+    """The KV page pool's size in tokens, shared by all requests."""
+    page_size: int = 16
+    prefill_chunk: int = 256
+    """Prompt positions prefilled per engine step."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype (auto: the checkpoint's)."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    attention: AttentionImpl = "auto"
+
+
+def build(args: Args):
+    """The engine loop and the FastAPI app for `args` (the tests serve it themselves)."""
+    import jax.numpy as jnp
+
+    import eqx_tx
+    from eqx_tx.loading import resolve_source
+    from eqx_tx.server import EngineLoop, build_app
+
+    directory = resolve_source(args.model)
+    dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+    mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
+    model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
+    engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, max_tokens_in_cache=args.max_tokens_in_cache,
+                           page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                           cache_dtype=dtypes[args.kv_cache_dtype], compute=eqx_tx.ComputeConfig(attention=args.attention))
+    loop = EngineLoop(engine)
+    name = args.model_name or os.path.basename(os.path.normpath(args.model))
+    return loop, build_app(loop, eqx_tx.load_tokenizer(directory), name)
+
+
+def main(args: Args) -> None:
+    import uvicorn
+
+    import eqx_tx
+
+    eqx_tx.enable_console_logging()
+    loop, app = build(args)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port)
+    finally:
+        loop.stop()
+
+
+if __name__ == "__main__":
+    run_tool(main, Args)
