@@ -95,14 +95,16 @@ def _set_row(logits, row, values):
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
-def _decode_step(model: CausalLM, cache: PagedKVCache, logits, table, positions, generated, sampler: SamplerArrays,
-                 *, compute: ComputeConfig):
-    """Sample token `generated[s]` of every slot from `logits` and feed it at
-    `positions[s]`; idle slots have only unallocated pages (their writes are dropped)."""
-    token, logp = sample_batch(logits, sampler, generated)
-    out, logits = _decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
+def _decode_step(model: CausalLM, cache: PagedKVCache, logits, rows, table, positions, generated,
+                 sampler: SamplerArrays, *, compute: ComputeConfig):
+    """For the slots `rows [R]` (padding: an out-of-range slot): sample token
+    `generated[i]` from the slot's logits, feed it at `positions[i]` through the
+    slot's pages `table [R, pages_per_seq]` (padding rows: unallocated, their writes
+    dropped) and store the next logits. Returns the tokens and their log-probs."""
+    token, logp = sample_batch(jnp.take(logits, rows, axis=0, mode="clip"), sampler, generated)
+    out, new = _decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
     assert isinstance(out, PagedKVCache)
-    return out, logits, token, logp
+    return out.with_table(cache.page_table), logits.at[rows].set(new, mode="drop"), token, logp
 
 
 class Engine:
@@ -114,7 +116,8 @@ class Engine:
     - `max_seqs`: decode slots (sequences generating at once).
     - `max_tokens_in_cache`: the pool's size in tokens (rounded down to whole pages).
     - `page_size`: tokens per page.
-    - `prefill_chunk`: prompt positions prefilled per step.
+    - `prefill_chunk`: the most prompt positions prefilled per step (shorter
+      remainders run in the smallest power-of-two chunk, at least 16, that holds them).
     - `max_seq_len`: the longest `prompt + max_new_tokens` a request may have
       (default: the pool, or the model's position limit if smaller).
     - `cache_dtype`: the pool's dtype (default: the model's); `"int8"` as `generate`.
@@ -159,7 +162,7 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._finished: dict[int, Generation] = {}
         self._next_id = 0
-        self._sampler: SamplerArrays | None = None
+        self._sampler: tuple[tuple, SamplerArrays] | None = None  # (running ids, rows) -> their sampler
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -242,7 +245,6 @@ class Engine:
             request.promised = request.pages_needed
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
-            self._sampler = None
 
     def _take_page(self, request: _Request) -> None:
         assert request.slot is not None and request.promised > 0
@@ -270,7 +272,10 @@ class Engine:
         assert request.slot is not None
         if not request.looked_up:
             self._reuse_prefix(request)
-        start, C = request.prefilled, self.prefill_chunk
+        start = request.prefilled
+        # The smallest power of two (>= 16) that holds the rest, up to prefill_chunk: a short
+        # remainder (a prompt after a cached prefix) costs a short chunk; few shapes compile.
+        C = min(self.prefill_chunk, max(16, 1 << (len(request.prompt) - start - 1).bit_length()))
         end = min(start + C, len(request.prompt))
         while len(request.pages) * self.page_size < end:
             self._take_page(request)
@@ -285,44 +290,48 @@ class Engine:
             self._logits = _set_row(self._logits, request.slot, logits)
             self._pool.register(request.prompt, request.pages)  # later requests may share its full pages
 
-    def _sampler_arrays(self) -> SamplerArrays:
-        if self._sampler is None:
-            params = [r.params if r is not None else SamplingParams() for r in self._slots]
+    def _sampler_arrays(self, running: list[_Request], rows: int) -> SamplerArrays:
+        key = (tuple(r.id for r in running), rows)
+        if self._sampler is None or self._sampler[0] != key:
+            params = [r.params for r in running] + [SamplingParams()] * (rows - len(running))
+            samples = [r.sample for r in running] + [0] * (rows - len(running))
             vocab = self.model.config.vocab_size
-            self._sampler = SamplerArrays(
+            self._sampler = key, SamplerArrays(
                 temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
                 top_k=jnp.asarray([min(p.top_k, vocab) for p in params], jnp.int32),
                 top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
                 seed=jnp.asarray([p.seed for p in params], jnp.uint32),
-                sample=jnp.asarray([r.sample if r is not None else 0 for r in self._slots], jnp.uint32),
+                sample=jnp.asarray(samples, jnp.uint32),
                 max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
-                stop_ids=jnp.full((self.max_seqs, 1), -1, jnp.int32),  # stops are checked here, on the host
+                stop_ids=jnp.full((rows, 1), -1, jnp.int32),  # stops are checked here, on the host
                 window=candidate_window(max(p.top_k for p in params), vocab),
             )
-        return self._sampler
+        return self._sampler[1]
 
     def _decode(self) -> list[TokenEvent]:
         running = [r for r in self._slots if r is not None and r.running]
         if not running:
             return []
-        table = np.full_like(self._table, self.num_pages)  # idle and prefilling slots: writes dropped
-        positions = np.zeros((self.max_seqs,), np.int32)
-        generated = np.zeros((self.max_seqs,), np.int32)
-        for r in running:
+        # The running slots, padded to a power of two: a few compiled shapes, no work for idle slots.
+        R = min(self.max_seqs, 1 << (len(running) - 1).bit_length())
+        rows = np.full((R,), self.max_seqs, np.int32)
+        table = np.full((R, self._table.shape[1]), self.num_pages, np.int32)
+        positions = np.zeros((R,), np.int32)
+        generated = np.zeros((R,), np.int32)
+        for i, r in enumerate(running):
             assert r.slot is not None
             position = len(r.prompt) + len(r.tokens)  # where this step's token is written
             if position // self.page_size >= len(r.pages):
                 self._take_page(r)
-            table[r.slot], positions[r.slot], generated[r.slot] = self._table[r.slot], position, len(r.tokens)
+            rows[i], table[i], positions[i], generated[i] = r.slot, self._table[r.slot], position, len(r.tokens)
         self._cache, self._logits, token, logp = _decode_step(
-            self.model, self._cache, self._logits, jnp.asarray(table), jnp.asarray(positions), jnp.asarray(generated),
-            self._sampler_arrays(), compute=self.compute,
+            self.model, self._cache, self._logits, jnp.asarray(rows), jnp.asarray(table), jnp.asarray(positions),
+            jnp.asarray(generated), self._sampler_arrays(running, R), compute=self.compute,
         )
         token, logp = to_host(token), to_host(logp)
         events = []
-        for r in running:
-            assert r.slot is not None
-            t, lp = int(token[r.slot]), float(logp[r.slot])
+        for i, r in enumerate(running):
+            t, lp = int(token[i]), float(logp[i])
             r.tokens.append(t)
             r.logprobs.append(lp)
             reason = "stop" if t in r.stop else "length" if len(r.tokens) >= r.params.max_new_tokens else None
@@ -341,7 +350,6 @@ class Engine:
         self._pool.unpromise(request.promised)
         self._table[request.slot] = self.num_pages
         self._slots[request.slot] = None
-        self._sampler = None
         if reason is not None:
             assert reason in STOP_REASONS
             self._finished[request.id] = Generation(request.tokens, request.logprobs, reason)

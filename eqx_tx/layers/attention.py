@@ -6,8 +6,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._log import log_once
 from ..compute import ComputeConfig
 from ..kernels.dispatch import CacheKind, select_attention
+from ..kernels.paged import paged_attention
 from ..kernels.ring import ring_attention
 from ..kernels.sdpa import attend
 from ..kernels.shared_prefix import shared_prefix_attention
@@ -110,8 +112,14 @@ class Attention(eqx.Module):
         q_bthk = checkpoint_name(constrain(q_bthk, ("batch", "seq", "act_heads", None)), "q")
         k_bthk = checkpoint_name(constrain(k_bthk, ("batch", "seq", "act_kv_heads", None)), "k")
         v_bthk = checkpoint_name(constrain(v_bthk, ("batch", "seq", "act_kv_heads", None)), "v")
-        keys_shape = (cache.k.shape[1:] if isinstance(cache, KVCache)
-                      else cache.keys_shape if isinstance(cache, PagedKVCache) else k_bthk.shape)
+        if isinstance(cache, PagedKVCache):  # the engine's page pool
+            assert layer is not None and positions is not None and mask.kv_lengths is not None
+            cache = cache.write(layer, k_bthk, v_bthk, positions)
+            log_once("attention: paged (the page pool walked block by block, eqx_tx.kernels.paged)")
+            o_bthk = paged_attention(q_bthk, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions)
+            o_bthk = constrain(o_bthk, ("batch", "seq", "act_heads", None))
+            return self.o_proj(o_bthk), cache
+        keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) else k_bthk.shape
         choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
                                   q_offset=mask.q_offset, mesh=mesh, compute=compute,
                                   segmented=mask.segment_ids is not None)
@@ -137,7 +145,7 @@ class Attention(eqx.Module):
             o_bthk = ring_attention(q_bthk, k_bthk, v_bthk, positions=positions, kv_lengths=lengths, mesh=mesh,
                                     segment_ids=mask.segment_ids, block_q=bq, block_kv=bkv)
         else:
-            if isinstance(cache, (KVCache, PagedKVCache)):
+            if isinstance(cache, KVCache):
                 assert layer is not None and positions is not None
                 cache = cache.write(layer, k_bthk, v_bthk, positions)
                 keys, values = cache.layer(layer)

@@ -8,9 +8,8 @@ pool size mark unallocated entries: writes there are dropped and reads are maske
 by the sequence's length. Pages are handed out and taken back by the host
 (`eqx_tx.engine`), so sequences of any length share one fixed-size pool.
 
-Attention gathers one layer's pages of every sequence into a contiguous
-`[batch, pages_per_seq * page_size, kv_heads, head_dim]` view (one layer at a time,
-never the whole cache) and runs the same kernels as the contiguous cache.
+Attention (`eqx_tx.kernels.paged`) walks each sequence's pages block by block up to
+the longest sequence's length, gathering them straight from the pool.
 """
 
 import equinox as eqx
@@ -76,30 +75,17 @@ class PagedKVCache(HasAxes):
         """Positions one sequence can hold: its page-table width times the page size."""
         return self.page_table.shape[1] * self.page_size
 
-    @property
-    def keys_shape(self) -> tuple[int, int, int, int]:
-        """The shape of one layer's gathered keys, `[batch, max_len, kv_heads, head_dim]`."""
-        return (self.page_table.shape[0], self.max_len, self.k.shape[3], self.k.shape[4])
-
     def with_table(self, page_table: Int[Array, "batch pages_per_seq"]) -> "PagedKVCache":
         """The same pool read and written through another page table (other sequences)."""
         return eqx.tree_at(lambda c: c.page_table, self, page_table)
 
-    def layer(self, index: Int[Array, ""]) -> tuple[Array | Quantized, Array | Quantized]:
-        """Keys and values of layer `index` for every sequence, gathered from its pages:
-        `[batch, max_len, kv_heads, head_dim]` (as `Quantized` pairs for an int8 pool).
-        Unallocated entries read some page; the sequence's length masks them."""
-        B, P = self.page_table.shape
-
-        def gather(x):
-            pool = jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False)
-            pages = jnp.take(pool, self.page_table, axis=0, mode="clip")  # [B, P, page_size, ...]
-            return pages.reshape(B, P * self.page_size, *pages.shape[3:])
-
+    def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
+        """The whole key and value pools (as `Quantized` pairs for an int8 pool), for
+        `eqx_tx.kernels.paged.paged_attention`."""
         if self.quantized:
             assert self.k_scale is not None and self.v_scale is not None
-            return Quantized(gather(self.k), gather(self.k_scale)), Quantized(gather(self.v), gather(self.v_scale))
-        return gather(self.k), gather(self.v)
+            return Quantized(self.k, self.k_scale), Quantized(self.v, self.v_scale)
+        return self.k, self.v
 
     def write(
         self,

@@ -1,0 +1,184 @@
+"""Continuous batching (`eqx_tx.Engine`) against static batches (`generate`) on the same cache memory.
+
+Workload: `--requests` requests, prompts of 16-512 random tokens, output lengths
+long-tailed (geometric, mean 64, capped at 512; each request's `max_new_tokens`, as
+a random model never says when it is done). Both sides get `--cache-tokens` tokens
+of KV cache:
+
+- static: batches of `cache_tokens / (512 + 512)` requests in arrival order, each
+  batch a `generate` call whose cache rows hold the longest prompt + output and
+  which runs until its longest output ends (each batch runs twice: compile, then
+  the timed run);
+- engine: a page pool of `cache_tokens` tokens, `--max-seqs` slots, requests
+  admitted as pages free up (compiled in a warm-up run first).
+
+Reported: generated tokens/s of each and the ratio, the engine's pages in use as a
+share of the pool while requests wait (steady state), and with a shared
+`--system-tokens` system prompt before every request, the prefix cache's hit rate
+and the time to first token of a request on an idle engine without (cold) and with
+(warm) the system prompt cached. Greedy decoding; every engine result equals
+`generate`'s (checked here too).
+
+    python benchmarks/benchmark_engine.py
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+import tyro
+
+import eqx_tx
+from eqx_tx.host_memory import reexec_with_retaining_malloc
+from eqx_tx.presets import PRESETS
+from eqx_tx.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "tiny"
+    """A preset (random weights)."""
+    requests: int = 256
+    cache_tokens: int = 16384
+    """KV-cache memory of both sides, in tokens."""
+    max_seqs: int = 64
+    page_size: int = 16
+    prefill_chunk: int = 256
+    system_tokens: int = 256
+    shared_requests: int = 32
+    """Requests with the shared system prompt (prefix-cache part)."""
+    seed: int = 0
+    output_dir: str = "benchmarks/results/engine"
+
+
+def workload(args: Args, vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = np.random.default_rng(args.seed)
+    out = []
+    for _ in range(args.requests):
+        prompt = rng.integers(1, vocab, size=int(rng.integers(16, 513))).tolist()
+        new = int(min(rng.geometric(1 / 64), 512))
+        out.append((prompt, SamplingParams(max_new_tokens=new, stop_token_ids=())))
+    return out
+
+
+def run_static(model, requests, batch: int) -> tuple[float, list]:
+    elapsed, results = 0.0, []
+    for i in range(0, len(requests), batch):
+        prompts, params = zip(*requests[i : i + batch])
+        eqx_tx.generate(model, prompts, params, prefill_chunk_size=256)  # compile this batch's shapes
+        start = time.perf_counter()
+        results += eqx_tx.generate(model, prompts, params, prefill_chunk_size=256)
+        elapsed += time.perf_counter() - start
+    return elapsed, results
+
+
+def new_engine(model, args: Args) -> eqx_tx.Engine:
+    return eqx_tx.Engine(model, max_seqs=args.max_seqs, max_tokens_in_cache=args.cache_tokens,
+                         page_size=args.page_size, prefill_chunk=args.prefill_chunk, max_seq_len=1024)
+
+
+def run_engine(model, args: Args, requests) -> tuple[float, list, float]:
+    warm = new_engine(model, args)  # compile every prefill chunk size and the decode step
+    warm.run([([1] * n, SamplingParams(max_new_tokens=2, stop_token_ids=())) for n in (16, 32, 64, 128, 256, 300)])
+    engine = new_engine(model, args)
+    ids = [engine.add(p, sp) for p, sp in requests]
+    use = []
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+        if engine._waiting:  # steady state: the pool is what holds requests back
+            use.append(engine.pages_in_use / engine.num_pages)
+    elapsed = time.perf_counter() - start
+    return elapsed, [engine.result(i) for i in ids], statistics.mean(use) if use else float("nan")
+
+
+def time_to_first_token(engine: eqx_tx.Engine, prompt) -> float:
+    start = time.perf_counter()
+    engine.add(prompt, SamplingParams(max_new_tokens=1, stop_token_ids=()))
+    while not engine.step():
+        pass
+    elapsed = time.perf_counter() - start
+    while engine.has_work():
+        engine.step()
+    return elapsed
+
+
+def prefix_part(model, args: Args, vocab: int) -> dict:
+    rng = np.random.default_rng(args.seed + 1)
+    system = rng.integers(1, vocab, size=args.system_tokens).tolist()
+    suffixes = [rng.integers(1, vocab, size=int(rng.integers(8, 33))).tolist() for _ in range(args.shared_requests)]
+    engine = new_engine(model, args)
+    for s in suffixes[:3]:  # compile (chunk sizes of the cold and the warm prompt)
+        time_to_first_token(engine, rng.integers(1, vocab, size=args.system_tokens).tolist() + s)
+        time_to_first_token(engine, s)
+    cold = []
+    for s in suffixes[:5]:  # a system prompt seen for the first time
+        cold.append(time_to_first_token(engine, rng.integers(1, vocab, size=args.system_tokens).tolist() + s))
+    engine = new_engine(model, args)
+    first = time_to_first_token(engine, system + suffixes[0])
+    warm = [time_to_first_token(engine, system + s) for s in suffixes[1:]]
+    stats = engine.stats()
+    later = (stats["cached_tokens"]) / (stats["prompt_tokens"] - len(system) - len(suffixes[0]))
+    return dict(hit_rate_after_first=later, hit_rate_all=stats["hit_rate"], ttft_cold_ms=1e3 * statistics.median(cold),
+                ttft_first_ms=1e3 * first, ttft_warm_ms=1e3 * statistics.median(warm),
+                ttft_speedup=statistics.median(cold) / statistics.median(warm))
+
+
+def main(args: Args) -> None:
+    config = PRESETS[args.model]
+    model = eqx_tx.init_model(config, key=jax.random.key(0))
+    requests = workload(args, config.vocab_size)
+    generated = sum(sp.max_new_tokens for _, sp in requests)
+    static_batch = args.cache_tokens // 1024
+    print(f"{args.requests} requests, {generated} tokens to generate, cache {args.cache_tokens} tokens "
+          f"(static: batches of {static_batch} x 1024; engine: {args.cache_tokens // args.page_size} pages of "
+          f"{args.page_size}, {args.max_seqs} slots)")
+    t_engine, r_engine, utilisation = run_engine(model, args, requests)
+    print(f"engine: {t_engine:.1f} s, {generated / t_engine:.0f} tokens/s, pool use while requests wait "
+          f"{100 * utilisation:.0f}%")
+    t_static, r_static = run_static(model, requests, static_batch)
+    print(f"static: {t_static:.1f} s, {generated / t_static:.0f} tokens/s")
+    same = all(a.tokens == b.tokens for a, b in zip(r_engine, r_static))
+    prefix = prefix_part(model, args, config.vocab_size)
+    result = dict(
+        model=args.model, requests=args.requests, generated_tokens=generated, cache_tokens=args.cache_tokens,
+        static_batch=static_batch, static_seconds=t_static, engine_seconds=t_engine,
+        static_tokens_per_s=generated / t_static, engine_tokens_per_s=generated / t_engine,
+        speedup=t_static / t_engine, engine_pool_use_while_waiting=utilisation, results_equal=same,
+        platform=jax.devices()[0].platform, **prefix,
+    )
+    lines = [
+        f"# Engine vs static batching ({args.model}, random weights, {result['platform']})", "",
+        f"Command: `python benchmarks/benchmark_engine.py` ({args.requests} requests, prompts 16-512 tokens, "
+        f"outputs geometric mean 64 capped 512: {generated} tokens; {args.cache_tokens} cache tokens each side)", "",
+        "| | static `generate` | engine | engine / static |", "|---|---|---|---|",
+        f"| generated tokens/s | {result['static_tokens_per_s']:.0f} | {result['engine_tokens_per_s']:.0f} | "
+        f"{result['speedup']:.2f}x |",
+        f"| wall time | {t_static:.1f} s | {t_engine:.1f} s | |",
+        f"| cache | {static_batch} rows x 1024 tokens | {args.cache_tokens // args.page_size} pages x {args.page_size}: "
+        f"{100 * utilisation:.0f}% in use while requests wait | |", "",
+        f"Every request's tokens equal between the two: {same}.", "",
+        f"## Shared {args.system_tokens}-token system prompt ({args.shared_requests} requests, suffixes 8-32 tokens)", "",
+        f"- prefix-cache hit rate of the requests after the first: {100 * prefix['hit_rate_after_first']:.1f}% "
+        f"of their prompt tokens (all requests: {100 * prefix['hit_rate_all']:.1f}%)",
+        f"- time to first token on an idle engine: system prompt not cached {prefix['ttft_cold_ms']:.1f} ms "
+        f"(median of 5), cached {prefix['ttft_warm_ms']:.1f} ms (median of {args.shared_requests - 1}): "
+        f"{prefix['ttft_speedup']:.1f}x lower",
+    ]
+    print("\n".join(lines))
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.output_dir, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    reexec_with_retaining_malloc()
+    main(tyro.cli(Args))
