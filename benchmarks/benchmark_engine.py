@@ -84,9 +84,8 @@ def new_engine(model, args: Args) -> eqx_tx.Engine:
 
 
 def run_engine(model, args: Args, requests) -> tuple[float, list, float]:
-    warm = new_engine(model, args)  # compile every prefill chunk size and the decode step
-    warm.run([([1] * n, SamplingParams(max_new_tokens=2, stop_token_ids=())) for n in (16, 32, 64, 128, 256, 300)])
     engine = new_engine(model, args)
+    engine.warmup()
     ids = [engine.add(p, sp) for p, sp in requests]
     use = []
     start = time.perf_counter()
@@ -114,13 +113,11 @@ def prefix_part(model, args: Args, vocab: int) -> dict:
     system = rng.integers(1, vocab, size=args.system_tokens).tolist()
     suffixes = [rng.integers(1, vocab, size=int(rng.integers(8, 33))).tolist() for _ in range(args.shared_requests)]
     engine = new_engine(model, args)
-    for s in suffixes[:3]:  # compile (chunk sizes of the cold and the warm prompt)
-        time_to_first_token(engine, rng.integers(1, vocab, size=args.system_tokens).tolist() + s)
-        time_to_first_token(engine, s)
+    engine.warmup()
     cold = []
     for s in suffixes[:5]:  # a system prompt seen for the first time
         cold.append(time_to_first_token(engine, rng.integers(1, vocab, size=args.system_tokens).tolist() + s))
-    engine = new_engine(model, args)
+    engine = new_engine(model, args)  # (the compiled steps are shared: same shapes)
     first = time_to_first_token(engine, system + suffixes[0])
     warm = [time_to_first_token(engine, system + s) for s in suffixes[1:]]
     stats = engine.stats()

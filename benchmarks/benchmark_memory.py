@@ -75,7 +75,9 @@ DEFAULTS = dict(sequence_parallel=False, prefill_chunk_size=None, kv_cache_dtype
 @dataclasses.dataclass
 class Args:
     experiment_name: str = "qwen3-4b-tp8"
-    mode: Literal["sample", "train"] = "train"
+    mode: Literal["sample", "train", "engine"] = "train"
+    """engine: `eqx_tx.Engine`'s prefill chunk and decode step, every slot running, over a
+    page pool holding the same requests as `sample` (n > 1: prompt pages shared)."""
     batch_sizes: str = "1,2,4,8,16,32,64,128,256,512"
     """Comma-separated; each stage stops at its first batch size over budget."""
     seq_lens: str = "4096,8192"
@@ -162,7 +164,8 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
     import jax.numpy as jnp
 
     from eqx_tx.hlo import format_summary, per_layer_summary
-    from eqx_tx.memory import MemoryFigures, abstract_train_inputs, compile_sampling, compile_train_step
+    from eqx_tx.memory import (MemoryFigures, abstract_train_inputs, compile_engine_step, compile_sampling,
+                                compile_train_step)
     from eqx_tx.remat_auto import remat_label
     from eqx_tx.training import resolve_remat
 
@@ -180,6 +183,18 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
             remat = remat_label(resolve_remat(*inputs, config).compute)  # (remembered: no second search)
         figures = {"train_step": MemoryFigures.of(compiled)}
         comms = format_summary(per_layer_summary(compiled.as_text(), model.config.num_hidden_layers))
+    elif args.mode == "engine":
+        if batch % settings["n"]:
+            return dict(bytes=None, phase="-", seconds=0.0, skipped=True)
+        # The same requests as --mode sample (prompt T/2, T/2 new tokens); the pool holds each
+        # prompt once for its n samples (pages shared) plus every sample's own tokens.
+        n, half = settings["n"], seq_len // 2
+        pool = batch // n * half + batch * (seq_len - half) if n > 1 else batch * seq_len
+        compiled = compile_engine_step(model, mesh, max_seqs=batch, pool_tokens=pool, max_seq_len=seq_len,
+                                       prefill_chunk=settings["prefill_chunk_size"] or 512,
+                                       compute=_compute(args, settings),
+                                       cache_dtype=jnp.dtype(settings["kv_cache_dtype"]))
+        figures = {k: MemoryFigures.of(v) for k, v in compiled.items()}
     else:
         if batch % settings["n"]:
             return dict(bytes=None, phase="-", seconds=0.0, skipped=True)
@@ -343,6 +358,8 @@ def main(args: Args) -> None:
     batches = sorted(int(b) for b in args.batch_sizes.split(","))
     seq_lens = sorted(int(t) for t in args.seq_lens.split(","))
     stages = sorted(args.stage) if args.stage else sorted(STAGES)
+    if args.mode == "engine" and args.measure == "run":
+        raise ValueError("--mode engine is measured by compiling (--measure compile)")
     for s in stages:
         if s not in STAGES:
             raise ValueError(f"--stage {s}: choose from {sorted(STAGES)}")
@@ -355,7 +372,7 @@ def main(args: Args) -> None:
         from eqx_tx.memory import abstract_sharded_model, target_mesh
 
         mesh = target_mesh(args.target, ep=args.ep, sp=args.sp, tp=args.tp)
-        rank = 0 if (args.mode == "sample" or args.full_finetune) else args.lora_rank
+        rank = 0 if (args.mode != "train" or args.full_finetune) else args.lora_rank
         model = abstract_sharded_model(_config(args), mesh, jnp.dtype(args.dtype), lora_rank=rank,
                                        lora_adapters=args.lora_adapters if rank else None)
     rows = []

@@ -40,7 +40,7 @@ from .models import CausalLM
 from .models.transformer import new_paged_cache
 from .page_pool import PagePool
 from .sampling import SamplerArrays, SamplingParams, candidate_window, sample_batch
-from .sharding import current_mesh, mesh_context
+from .sharding import constrain, current_mesh, mesh_context
 from .util import ceil_div
 
 
@@ -87,6 +87,11 @@ def _prefill_chunk(model: CausalLM, cache: PagedKVCache, table, tokens, start, l
     assert isinstance(out.cache, PagedKVCache)
     last = jax.lax.dynamic_index_in_dim(out.hidden[0], jnp.clip(length - 1 - start, 0, C - 1), keepdims=False)
     return out.cache.with_table(cache.page_table), _last_token_logits(model, last[None])[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zero_logits(rows: int, vocab: int):
+    return constrain(jnp.zeros((rows, vocab), jnp.float32), (None, "act_vocab"))
 
 
 @functools.partial(jax.jit, donate_argnames="logits")
@@ -154,7 +159,7 @@ class Engine:
         with mesh_context(model):
             self._cache = new_paged_cache(config, pages=self.num_pages, page_size=page_size, batch=max_seqs,
                                           pages_per_seq=pages_per_seq, dtype=dtype, mesh=current_mesh())
-            self._logits = jnp.zeros((max_seqs, config.vocab_size), jnp.float32)
+            self._logits = _zero_logits(max_seqs, config.vocab_size)
         self._table = np.full((max_seqs, pages_per_seq), self.num_pages, np.int32)
         self._pool = PagePool(self.num_pages, page_size)
         self._prompt_tokens = self._cached_tokens = 0
@@ -212,6 +217,26 @@ class Engine:
         while not all(i in self._finished for i in ids):
             self.step()
         return [self.result(i) for i in ids]
+
+    def warmup(self) -> None:
+        """Compile every shape `step` can run (each prefill chunk size, each padded
+        count of running slots) now, on inputs whose writes are dropped, so that no
+        request waits for a compile."""
+        sizes = {min(self.prefill_chunk, 16 << i) for i in range(max(self.prefill_chunk, 16).bit_length())}
+        rows = {min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)}
+        unallocated = np.full((1, self._table.shape[1]), self.num_pages, np.int32)
+        with mesh_context(self.model):
+            for C in sorted(sizes):
+                self._cache, _ = _prefill_chunk(self.model, self._cache, jnp.asarray(unallocated),
+                                                jnp.zeros((1, C), jnp.int32), jnp.asarray(0, jnp.int32),
+                                                jnp.asarray(1, jnp.int32), compute=self.compute)
+            for R in sorted(rows):
+                idle = jnp.full((R,), self.max_seqs, jnp.int32)  # out of range: nothing stored
+                self._cache, self._logits, _, _ = _decode_step(
+                    self.model, self._cache, self._logits, idle, jnp.asarray(np.repeat(unallocated, R, axis=0)),
+                    jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32), self._sampler_arrays([], R),
+                    compute=self.compute,
+                )
 
     @property
     def pages_in_use(self) -> int:

@@ -20,17 +20,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .bank_optimizer import init_bank_state
 from .batch import Batch
 from .compute import ComputeConfig
+from .engine import _decode_step, _prefill_chunk
 from .generation import DecodeState, decode, prefill
 from .memory_figures import MemoryFigures
 from .layers.kv_cache import SharedPrefixCache
 from .layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
 from .loading import abstract_model
 from .models.config import TransformerConfig
-from .models.transformer import new_cache
+from .models.transformer import new_cache, new_paged_cache
 from .sampling import SamplerArrays, SamplingParams
 from .sharding import abstract_with_shardings, logical_to_spec, make_mesh
 from .training import TrainConfig, make_optimizer, resolve_remat, train_step_jit
-from .util import round_up
+from .util import ceil_div, round_up
 
 # Compile-only GPU descriptions shipped with the package (`target_mesh`).
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
@@ -196,4 +197,37 @@ def compile_sampling(
     with jax.set_mesh(mesh):
         pre = prefill.lower(model, cache, tokens, prompt_lengths, chunk=chunk, compute=compute, full_logits=full_logits)
         dec = decode.lower(model, state, sampler, jax.ShapeDtypeStruct((), jnp.int32), compute=compute)
+        return {"prefill": pre.compile(), "decode": dec.compile()}
+
+
+def compile_engine_step(
+    model,
+    mesh,
+    *,
+    max_seqs: int,
+    pool_tokens: int,
+    max_seq_len: int,
+    page_size: int = 16,
+    prefill_chunk: int = 512,
+    compute: ComputeConfig,
+    cache_dtype=jnp.bfloat16,
+):
+    """Compile `eqx_tx.Engine`'s two steps with every slot running: a prefill chunk
+    and a decode step over a page pool of `pool_tokens` tokens for `max_seqs`
+    sequences of up to `max_seq_len` tokens. Returns `{"prefill": compiled,
+    "decode": compiled}`."""
+    config = model.config
+    cache = new_paged_cache(config, pages=pool_tokens // page_size, page_size=page_size, batch=max_seqs,
+                            pages_per_seq=ceil_div(max_seq_len, page_size), dtype=cache_dtype, mesh=mesh, abstract=True)
+    pages_per_seq = cache.page_table.shape[1]
+    rows = _sds((max_seqs,), jnp.int32, mesh)
+    table = _sds((max_seqs, pages_per_seq), jnp.int32, mesh)
+    logits = _sds((max_seqs, config.vocab_size), jnp.float32, mesh, None, "act_vocab")
+    sampler = jax.eval_shape(lambda: SamplerArrays.from_params([SamplingParams()] * max_seqs, (0,), config.vocab_size))
+    sampler = jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh), sampler)
+    scalar = _sds((), jnp.int32, mesh)
+    with jax.set_mesh(mesh):
+        pre = _prefill_chunk.lower(model, cache, _sds((1, pages_per_seq), jnp.int32, mesh),
+                                   _sds((1, prefill_chunk), jnp.int32, mesh), scalar, scalar, compute=compute)
+        dec = _decode_step.lower(model, cache, logits, rows, table, rows, rows, sampler, compute=compute)
         return {"prefill": pre.compile(), "decode": dec.compile()}
