@@ -94,6 +94,7 @@ def run_engine(model, args: Args, requests) -> tuple[float, list, float]:
         if engine._waiting:  # steady state: the pool is what holds requests back
             use.append(engine.pages_in_use / engine.num_pages)
     elapsed = time.perf_counter() - start
+    print(f"engine stats: {engine.stats()}")
     return elapsed, [engine.result(i) for i in ids], statistics.mean(use) if use else float("nan")
 
 

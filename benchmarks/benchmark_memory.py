@@ -355,6 +355,10 @@ def main(args: Args) -> None:
         return
     from tqdm.auto import tqdm
 
+    from eqx_tx import enable_console_logging
+
+    enable_console_logging()  # e.g. remat="auto": each candidate's FLOPs and memory, and the choice
+
     batches = sorted(int(b) for b in args.batch_sizes.split(","))
     seq_lens = sorted(int(t) for t in args.seq_lens.split(","))
     stages = sorted(args.stage) if args.stage else sorted(STAGES)

@@ -5,9 +5,12 @@
 `Engine` keeps `max_seqs` decode slots over one pool of KV pages
 (`eqx_tx.layers.paged_kv_cache`). Each `step()`:
 
-1. admits waiting requests (oldest first) into free slots while the pool can
-   promise them every page they may need (`prompt + max_new_tokens` tokens), so a
-   running request never runs out of pages and a full pool makes requests wait;
+1. admits waiting requests (oldest first) into free slots while the pool has
+   pages for their prompts (and the first new token); requests get more pages as
+   they grow, and when none is left the newest request is preempted: its pages are
+   freed (its full ones stay cached) and it waits at the front of the queue, to be
+   prefilled again with the tokens it already has (mostly from the prefix cache) and
+   go on where it stopped, so a full pool makes requests wait, never fail;
 2. prefills one chunk (`prefill_chunk` positions) of the oldest admitted request,
    starting after the longest prefix whose pages are cached from earlier requests
    (`eqx_tx.page_pool`: full pages keyed by their token prefix, shared by
@@ -64,6 +67,8 @@ class _Request:
     pages_needed: int
     promised: int = 0  # pages promised and not yet taken
     slot: int | None = None
+    admitted: int = 0  # admission order (the newest is preempted first)
+    context: list[int] = dataclasses.field(default_factory=list)  # prefilled on admission: prompt + tokens so far
     pages: list[int] = dataclasses.field(default_factory=list)
     looked_up: bool = False  # the prefix cache was asked
     prefilled: int = 0
@@ -72,7 +77,12 @@ class _Request:
 
     @property
     def running(self) -> bool:
-        return self.slot is not None and self.prefilled == len(self.prompt)
+        return self.slot is not None and self.prefilled == len(self.context)
+
+    @property
+    def written(self) -> list[int]:
+        """The tokens whose keys/values are in its pages (every sampled token is fed)."""
+        return self.prompt + self.tokens if self.running else self.context[: self.prefilled]
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames="cache")
@@ -162,7 +172,7 @@ class Engine:
             self._logits = _zero_logits(max_seqs, config.vocab_size)
         self._table = np.full((max_seqs, pages_per_seq), self.num_pages, np.int32)
         self._pool = PagePool(self.num_pages, page_size)
-        self._prompt_tokens = self._cached_tokens = 0
+        self._prompt_tokens = self._cached_tokens = self._preemptions = self._admissions = 0
         self._slots: list[_Request | None] = [None] * max_seqs
         self._waiting: collections.deque[_Request] = collections.deque()
         self._finished: dict[int, Generation] = {}
@@ -248,7 +258,7 @@ class Engine:
         admitted prompt tokens whose keys/values came from the cache."""
         return dict(pages=self.num_pages, pages_in_use=self._pool.referenced, pages_cached=self._pool.cached,
                     prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
-                    hit_rate=self._cached_tokens / max(self._prompt_tokens, 1))
+                    hit_rate=self._cached_tokens / max(self._prompt_tokens, 1), preemptions=self._preemptions)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -264,12 +274,30 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             request = self._waiting[0]
-            if not self._pool.promise(request.pages_needed):
+            context = request.prompt + request.tokens  # tokens: those of a preempted request
+            pages = min(request.pages_needed, ceil_div(len(context) + 1, self.page_size))
+            if not self._pool.promise(pages):
                 return  # the oldest waits for pages (no overtaking: no starvation)
             self._waiting.popleft()
-            request.promised = request.pages_needed
+            request.context, request.promised, request.admitted = context, pages, self._admissions
+            self._admissions += 1
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
+
+    def _page_for(self, request: _Request) -> bool:
+        """One more page for `request`, preempting the newest requests while none is left.
+        Returns `False` if `request` itself was preempted."""
+        while request.promised == 0 and not self._pool.promise(1):
+            victim = max((r for r in self._slots if r is not None), key=lambda r: r.admitted)
+            self._release(victim)
+            victim.pages, victim.promised, victim.prefilled, victim.looked_up = [], 0, 0, False
+            self._waiting.appendleft(victim)
+            self._preemptions += 1
+            if victim is request:
+                return False
+        request.promised = max(request.promised, 1)
+        self._take_page(request)
+        return True
 
     def _take_page(self, request: _Request) -> None:
         assert request.slot is not None and request.promised > 0
@@ -282,38 +310,39 @@ class Engine:
         """Start `request` after its longest cached prefix (its last prompt token is
         always computed: its logits are needed)."""
         assert request.slot is not None
-        shared = self._pool.share(request.prompt, (len(request.prompt) - 1) // self.page_size)
+        shared = self._pool.share(request.context, (len(request.context) - 1) // self.page_size)
         request.looked_up, request.pages, request.promised = True, shared, request.promised - len(shared)
         self._table[request.slot, : len(shared)] = shared
         request.prefilled = len(shared) * self.page_size
-        self._prompt_tokens += len(request.prompt)
+        self._prompt_tokens += len(request.context)
         self._cached_tokens += request.prefilled
 
     def _prefill(self) -> None:
         pending = [r for r in self._slots if r is not None and not r.running]
         if not pending:
             return
-        request = min(pending, key=lambda r: r.id)
+        request = min(pending, key=lambda r: r.admitted)
         assert request.slot is not None
         if not request.looked_up:
             self._reuse_prefix(request)
         start = request.prefilled
         # The smallest power of two (>= 16) that holds the rest, up to prefill_chunk: a short
         # remainder (a prompt after a cached prefix) costs a short chunk; few shapes compile.
-        C = min(self.prefill_chunk, max(16, 1 << (len(request.prompt) - start - 1).bit_length()))
-        end = min(start + C, len(request.prompt))
+        context = request.context
+        C = min(self.prefill_chunk, max(16, 1 << (len(context) - start - 1).bit_length()))
+        end = min(start + C, len(context))
         while len(request.pages) * self.page_size < end:
-            self._take_page(request)
+            self._take_page(request)  # (promised on admission)
         tokens = np.zeros((1, C), np.int32)
-        tokens[0, : end - start] = request.prompt[start:end]
+        tokens[0, : end - start] = context[start:end]
         self._cache, logits = _prefill_chunk(
             self.model, self._cache, jnp.asarray(self._table[request.slot : request.slot + 1]), jnp.asarray(tokens),
-            jnp.asarray(start, jnp.int32), jnp.asarray(len(request.prompt), jnp.int32), compute=self.compute,
+            jnp.asarray(start, jnp.int32), jnp.asarray(len(context), jnp.int32), compute=self.compute,
         )
         request.prefilled = end
         if request.running:
             self._logits = _set_row(self._logits, request.slot, logits)
-            self._pool.register(request.prompt, request.pages)  # later requests may share its full pages
+            self._pool.register(context, request.pages)  # later requests may share its full pages
 
     def _sampler_arrays(self, running: list[_Request], rows: int) -> SamplerArrays:
         key = (tuple(r.id for r in running), rows)
@@ -334,7 +363,11 @@ class Engine:
         return self._sampler[1]
 
     def _decode(self) -> list[TokenEvent]:
-        running = [r for r in self._slots if r is not None and r.running]
+        running = sorted((r for r in self._slots if r is not None and r.running), key=lambda r: r.admitted)
+        for r in running:  # a page for this step's token where the last one is full (oldest first)
+            if r.slot is not None and (len(r.prompt) + len(r.tokens)) // self.page_size >= len(r.pages):
+                self._page_for(r)
+        running = [r for r in running if r.slot is not None]
         if not running:
             return []
         # The running slots, padded to a power of two: a few compiled shapes, no work for idle slots.
@@ -346,8 +379,6 @@ class Engine:
         for i, r in enumerate(running):
             assert r.slot is not None
             position = len(r.prompt) + len(r.tokens)  # where this step's token is written
-            if position // self.page_size >= len(r.pages):
-                self._take_page(r)
             rows[i], table[i], positions[i], generated[i] = r.slot, self._table[r.slot], position, len(r.tokens)
         self._cache, self._logits, token, logp = _decode_step(
             self.model, self._cache, self._logits, jnp.asarray(rows), jnp.asarray(table), jnp.asarray(positions),
@@ -365,16 +396,19 @@ class Engine:
                 self._finish(r, reason)
         return events
 
-    def _finish(self, request: _Request, reason: str | None) -> None:
-        """Free the request's slot and pages; keep its result unless it was cancelled (`reason` None)."""
+    def _release(self, request: _Request) -> None:
+        """Free the request's slot and pages (its full pages stay cached by their tokens)."""
         assert request.slot is not None
-        # Keys/values of the prompt and every token fed are written: the full pages can be reused.
-        written = request.prompt[: request.prefilled] + (request.tokens if request.running else [])
-        self._pool.register(written, request.pages)
+        self._pool.register(request.written, request.pages)
         self._pool.release(request.pages)
         self._pool.unpromise(request.promised)
         self._table[request.slot] = self.num_pages
         self._slots[request.slot] = None
+        request.slot = None
+
+    def _finish(self, request: _Request, reason: str | None) -> None:
+        """Free the request; keep its result unless it was cancelled (`reason` None)."""
+        self._release(request)
         if reason is not None:
             assert reason in STOP_REASONS
             self._finished[request.id] = Generation(request.tokens, request.logprobs, reason)

@@ -198,6 +198,24 @@ def _get(tree, path: tuple[str, ...]):
     return tree
 
 
+@eqx.filter_jit
+def _init_adapter(base: Linear, keys, rank: int, alpha: float, dtype, adapters: int | None, stacked: int):
+    """A new adapter (or bank) for `base`, vmapped over its `stacked` leading axes,
+    with `base_layer` left out (`None`: the caller puts the base back, uncopied).
+    Compiled once per shape and setting (eager vmapped random ops take seconds)."""
+
+    def make(base, k):
+        if adapters is None:
+            module = LoRALinear(base, rank=rank, alpha=alpha, dtype=dtype, key=k)
+        else:
+            module = LoRABank(base, adapters=adapters, rank=rank, alpha=alpha, dtype=dtype, key=k)
+        return eqx.tree_at(lambda m: m.base_layer, module, None, is_leaf=lambda x: x is None)
+
+    for _ in range(stacked):
+        make = eqx.filter_vmap(make)
+    return make(base, keys)
+
+
 def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp.float32, adapters: int | None = None,
                key: PRNGKeyArray):
     """Wrap the `targets` projections of every layer in `LoRALinear` adapters (or, with
@@ -235,18 +253,10 @@ def apply_lora(model, *, rank: int, alpha: float, targets=ALL_TARGETS, dtype=jnp
     wrapped = []
     for (_, node), k in zip(found, jax.random.split(key, len(found))):
         assert isinstance(node, Linear)
-        if adapters is None:
-            make = lambda base, k: LoRALinear(base, rank=rank, alpha=alpha, dtype=dtype, key=k)  # noqa: E731
-        else:
-            make = lambda base, k: LoRABank(base, adapters=adapters, rank=rank, alpha=alpha, dtype=dtype, key=k)  # noqa: E731
         stacked_shape = node.weight.shape[: node.weight.ndim - len(node.axes)]  # e.g. (layers,)
-        for _ in stacked_shape:
-            make = eqx.filter_vmap(make)
         keys = jax.random.split(k, math.prod(stacked_shape)).reshape(stacked_shape) if stacked_shape else k
-        # One compiled initialisation per projection (eager vmapped random ops take
-        # seconds each); the base weights are read inside but not returned (no copy).
-        adapter = eqx.filter_jit(lambda base, keys: eqx.tree_at(lambda m: m.base_layer, make(base, keys), None))
-        wrapped.append(eqx.tree_at(lambda m: m.base_layer, adapter(node, keys), node, is_leaf=lambda x: x is None))
+        adapter = _init_adapter(node, keys, rank, alpha, dtype, adapters, len(stacked_shape))
+        wrapped.append(eqx.tree_at(lambda m: m.base_layer, adapter, node, is_leaf=lambda x: x is None))
     paths = [path for path, _ in found]
     return eqx.tree_at(lambda m: [_get(m, p) for p in paths], model, wrapped)
 

@@ -23,14 +23,14 @@ def _bank(path):
     bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
                              adapters=ADAPTERS, key=jax.random.key(1))
     adapters, rest = eqx.partition(bank, eqx_tx.layers.lora.lora_filter(bank))
+    return eqx.combine(_perturb(adapters), rest)
 
-    @jax.jit
-    def perturb(adapters):
-        leaves, treedef = jax.tree.flatten(adapters)
-        keys = jax.random.split(jax.random.key(2), len(leaves))
-        return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 
-    return eqx.combine(perturb(adapters), rest)
+@jax.jit
+def _perturb(adapters):
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 
 
 def _batch(vocab, rows=slice(None)) -> eqx_tx.Batch:
