@@ -47,7 +47,7 @@ class Args:
     requests: int = 256
     cache_tokens: int = 16384
     """KV-cache memory of both sides, in tokens."""
-    max_seqs: int = 64
+    max_seqs: int = 128
     page_size: int = 16
     prefill_chunk: int = 256
     system_tokens: int = 256
@@ -83,19 +83,21 @@ def new_engine(model, args: Args) -> eqx_tx.Engine:
                          page_size=args.page_size, prefill_chunk=args.prefill_chunk, max_seq_len=1024)
 
 
-def run_engine(model, args: Args, requests) -> tuple[float, list, float]:
+def run_engine(model, args: Args, requests) -> tuple[float, list, float, float]:
     engine = new_engine(model, args)
     engine.warmup()
     ids = [engine.add(p, sp) for p, sp in requests]
-    use = []
+    use, fill = [], []
     start = time.perf_counter()
     while engine.has_work():
         engine.step()
-        if engine._waiting:  # steady state: the pool is what holds requests back
-            use.append(engine.pages_in_use / engine.num_pages)
+        stats = engine.stats()
+        if engine._waiting:  # steady state: requests are waiting
+            use.append(stats["pages_in_use"] / engine.num_pages)
+            fill.append(stats["tokens_held"] / max(stats["pages_in_use"] * engine.page_size, 1))
     elapsed = time.perf_counter() - start
     print(f"engine stats: {engine.stats()}")
-    return elapsed, [engine.result(i) for i in ids], statistics.mean(use) if use else float("nan")
+    return elapsed, [engine.result(i) for i in ids], statistics.mean(use), statistics.mean(fill)
 
 
 def time_to_first_token(engine: eqx_tx.Engine, prompt) -> float:
@@ -137,9 +139,9 @@ def main(args: Args) -> None:
     print(f"{args.requests} requests, {generated} tokens to generate, cache {args.cache_tokens} tokens "
           f"(static: batches of {static_batch} x 1024; engine: {args.cache_tokens // args.page_size} pages of "
           f"{args.page_size}, {args.max_seqs} slots)")
-    t_engine, r_engine, utilisation = run_engine(model, args, requests)
-    print(f"engine: {t_engine:.1f} s, {generated / t_engine:.0f} tokens/s, pool use while requests wait "
-          f"{100 * utilisation:.0f}%")
+    t_engine, r_engine, utilisation, fill = run_engine(model, args, requests)
+    print(f"engine: {t_engine:.1f} s, {generated / t_engine:.0f} tokens/s, while requests wait: pages in use "
+          f"{100 * utilisation:.0f}% of the pool, filled {100 * fill:.0f}%")
     t_static, r_static = run_static(model, requests, static_batch)
     print(f"static: {t_static:.1f} s, {generated / t_static:.0f} tokens/s")
     same = all(a.tokens == b.tokens for a, b in zip(r_engine, r_static))
@@ -148,7 +150,8 @@ def main(args: Args) -> None:
         model=args.model, requests=args.requests, generated_tokens=generated, cache_tokens=args.cache_tokens,
         static_batch=static_batch, static_seconds=t_static, engine_seconds=t_engine,
         static_tokens_per_s=generated / t_static, engine_tokens_per_s=generated / t_engine,
-        speedup=t_static / t_engine, engine_pool_use_while_waiting=utilisation, results_equal=same,
+        speedup=t_static / t_engine, engine_pool_use_while_waiting=utilisation, engine_page_fill_while_waiting=fill,
+        results_equal=same,
         platform=jax.devices()[0].platform, **prefix,
     )
     lines = [
@@ -160,7 +163,7 @@ def main(args: Args) -> None:
         f"{result['speedup']:.2f}x |",
         f"| wall time | {t_static:.1f} s | {t_engine:.1f} s | |",
         f"| cache | {static_batch} rows x 1024 tokens | {args.cache_tokens // args.page_size} pages x {args.page_size}: "
-        f"{100 * utilisation:.0f}% in use while requests wait | |", "",
+        f"while requests wait, {100 * utilisation:.0f}% of them in use, {100 * fill:.0f}% of those filled | |", "",
         f"Every request's tokens equal between the two: {same}.", "",
         f"## Shared {args.system_tokens}-token system prompt ({args.shared_requests} requests, suffixes 8-32 tokens)", "",
         f"- prefix-cache hit rate of the requests after the first: {100 * prefix['hit_rate_after_first']:.1f}% "

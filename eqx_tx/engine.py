@@ -11,7 +11,8 @@
    freed (its full ones stay cached) and it waits at the front of the queue, to be
    prefilled again with the tokens it already has (mostly from the prefix cache) and
    go on where it stopped, so a full pool makes requests wait, never fail;
-2. prefills one chunk (`prefill_chunk` positions) of the oldest admitted request,
+2. prefills one chunk (`prefill_chunk` positions) of each of the `prefill_rows`
+   oldest admitted requests,
    starting after the longest prefix whose pages are cached from earlier requests
    (`eqx_tx.page_pool`: full pages keyed by their token prefix, shared by
    reference count, least recently used evicted first);
@@ -28,6 +29,7 @@ request's own positions.
 import collections
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -85,28 +87,26 @@ class _Request:
         return self.prompt + self.tokens if self.running else self.context[: self.prefilled]
 
 
-@functools.partial(jax.jit, static_argnames="compute", donate_argnames="cache")
-def _prefill_chunk(model: CausalLM, cache: PagedKVCache, table, tokens, start, length, *, compute: ComputeConfig):
-    """Positions `[start, start + C)` of one prompt (`tokens [1, C]`, real up to `length`)
-    into its pages (`table [1, pages_per_seq]`); returns the cache and the logits
-    after the prompt's last token (meaningful once the chunk holds it)."""
+@functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
+def _prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, table, tokens, start, length, *,
+                   compute: ComputeConfig):
+    """Positions `[start[i], start[i] + C)` of `P` contexts (`tokens [P, C]`, real up to
+    `length[i]`) into their pages (`table [P, pages_per_seq]`; padding rows: unallocated).
+    Each context's next-token logits go to slot `rows[i]` (out of range: dropped, for
+    padding and contexts that do not end in this chunk)."""
     C = tokens.shape[1]
-    positions = start + jnp.arange(C, dtype=jnp.int32)[None]
-    mask = AttentionMask(kv_lengths=length[None], q_offset=start[None])
+    positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+    mask = AttentionMask(kv_lengths=length, q_offset=start)
     out = model.hidden_states(tokens, positions=positions, mask=mask, compute=compute, cache=cache.with_table(table))
     assert isinstance(out.cache, PagedKVCache)
-    last = jax.lax.dynamic_index_in_dim(out.hidden[0], jnp.clip(length - 1 - start, 0, C - 1), keepdims=False)
-    return out.cache.with_table(cache.page_table), _last_token_logits(model, last[None])[0]
+    last = jnp.take_along_axis(out.hidden, jnp.clip(length - 1 - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
+    logits = logits.at[rows].set(_last_token_logits(model, last), mode="drop")
+    return out.cache.with_table(cache.page_table), logits
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _zero_logits(rows: int, vocab: int):
     return constrain(jnp.zeros((rows, vocab), jnp.float32), (None, "act_vocab"))
-
-
-@functools.partial(jax.jit, donate_argnames="logits")
-def _set_row(logits, row, values):
-    return logits.at[row].set(values)
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
@@ -131,8 +131,10 @@ class Engine:
     - `max_seqs`: decode slots (sequences generating at once).
     - `max_tokens_in_cache`: the pool's size in tokens (rounded down to whole pages).
     - `page_size`: tokens per page.
-    - `prefill_chunk`: the most prompt positions prefilled per step (shorter
-      remainders run in the smallest power-of-two chunk, at least 16, that holds them).
+    - `prefill_chunk`, `prefill_rows`: each step prefills one chunk of up to
+      `prefill_chunk` positions of each of the `prefill_rows` oldest admitted requests
+      (shorter remainders run in the smallest power-of-two chunk, at least 16, that
+      holds them).
     - `max_seq_len`: the longest `prompt + max_new_tokens` a request may have
       (default: the pool, or the model's position limit if smaller).
     - `cache_dtype`: the pool's dtype (default: the model's); `"int8"` as `generate`.
@@ -147,14 +149,18 @@ class Engine:
         max_tokens_in_cache: int,
         page_size: int = 16,
         prefill_chunk: int = 256,
+        prefill_rows: int = 4,
         max_seq_len: int | None = None,
         cache_dtype=None,
         compute: ComputeConfig = ComputeConfig(),
     ):
         config = model.config
-        for name, value in (("max_seqs", max_seqs), ("page_size", page_size), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_seqs", max_seqs), ("page_size", page_size), ("prefill_chunk", prefill_chunk),
+                            ("prefill_rows", prefill_rows)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if prefill_rows & (prefill_rows - 1):
+            raise ValueError(f"prefill_rows must be a power of two, got {prefill_rows}")
         self.num_pages = max_tokens_in_cache // page_size
         if self.num_pages < 1:
             raise ValueError(f"max_tokens_in_cache {max_tokens_in_cache} holds no page of {page_size} tokens")
@@ -163,7 +169,7 @@ class Engine:
             limit = min(limit, config.max_position_embeddings)
         self.max_seq_len = min(max_seq_len or limit, limit)
         self.model, self.compute, self.page_size, self.prefill_chunk = model, compute, page_size, prefill_chunk
-        self.max_seqs = max_seqs
+        self.max_seqs, self.prefill_rows = max_seqs, prefill_rows
         pages_per_seq = ceil_div(self.max_seq_len, page_size)
         dtype = model.dtype if cache_dtype is None else cache_dtype
         with mesh_context(model):
@@ -234,12 +240,15 @@ class Engine:
         request waits for a compile."""
         sizes = {min(self.prefill_chunk, 16 << i) for i in range(max(self.prefill_chunk, 16).bit_length())}
         rows = {min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)}
+        prefill_rows = {1 << i for i in range(self.prefill_rows.bit_length())}
         unallocated = np.full((1, self._table.shape[1]), self.num_pages, np.int32)
         with mesh_context(self.model):
-            for C in sorted(sizes):
-                self._cache, _ = _prefill_chunk(self.model, self._cache, jnp.asarray(unallocated),
-                                                jnp.zeros((1, C), jnp.int32), jnp.asarray(0, jnp.int32),
-                                                jnp.asarray(1, jnp.int32), compute=self.compute)
+            for C, P in itertools.product(sorted(sizes), sorted(prefill_rows)):
+                self._cache, self._logits = _prefill_chunk(
+                    self.model, self._cache, self._logits, jnp.full((P,), self.max_seqs, jnp.int32),
+                    jnp.asarray(np.repeat(unallocated, P, axis=0)), jnp.zeros((P, C), jnp.int32),
+                    jnp.zeros((P,), jnp.int32), jnp.ones((P,), jnp.int32), compute=self.compute,
+                )
             for R in sorted(rows):
                 idle = jnp.full((R,), self.max_seqs, jnp.int32)  # out of range: nothing stored
                 self._cache, self._logits, _, _ = _decode_step(
@@ -254,11 +263,13 @@ class Engine:
         return self._pool.referenced
 
     def stats(self) -> dict:
-        """Pages referenced and cached, and the prefix cache's hit rate: the share of
-        admitted prompt tokens whose keys/values came from the cache."""
+        """Pages referenced and cached, the prefix cache's hit rate (the share of
+        admitted prompt tokens whose keys/values came from the cache), preemptions, and
+        the tokens the running requests hold in their pages (shared ones once each)."""
         return dict(pages=self.num_pages, pages_in_use=self._pool.referenced, pages_cached=self._pool.cached,
                     prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
-                    hit_rate=self._cached_tokens / max(self._prompt_tokens, 1), preemptions=self._preemptions)
+                    hit_rate=self._cached_tokens / max(self._prompt_tokens, 1), preemptions=self._preemptions,
+                    tokens_held=sum(len(r.written) for r in self._slots if r is not None))
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -317,32 +328,59 @@ class Engine:
         self._prompt_tokens += len(request.context)
         self._cached_tokens += request.prefilled
 
+    def _sharing_in_flight(self, request: _Request, others: list[_Request]) -> bool:
+        """Whether one of `others` (being prefilled) is computing full pages of
+        `request`'s prefix that the cache does not hold yet: then `request` waits for
+        them and shares them instead of computing them again."""
+        ps, limit = self.page_size, (len(request.context) - 1) // self.page_size
+        cached = self._pool.cached_pages(request.context, limit)
+        for other in others:
+            common = 0
+            while (common < limit and (common + 1) * ps <= len(other.context)
+                   and other.context[common * ps : (common + 1) * ps] == request.context[common * ps : (common + 1) * ps]):
+                common += 1
+            if common > cached:
+                return True
+        return False
+
     def _prefill(self) -> None:
-        pending = [r for r in self._slots if r is not None and not r.running]
+        pending = []
+        for r in sorted((r for r in self._slots if r is not None and not r.running), key=lambda r: r.admitted):
+            if len(pending) == self.prefill_rows:
+                break
+            if r.looked_up or not self._sharing_in_flight(r, pending):
+                pending.append(r)
         if not pending:
             return
-        request = min(pending, key=lambda r: r.admitted)
-        assert request.slot is not None
-        if not request.looked_up:
-            self._reuse_prefix(request)
-        start = request.prefilled
-        # The smallest power of two (>= 16) that holds the rest, up to prefill_chunk: a short
-        # remainder (a prompt after a cached prefix) costs a short chunk; few shapes compile.
-        context = request.context
-        C = min(self.prefill_chunk, max(16, 1 << (len(context) - start - 1).bit_length()))
-        end = min(start + C, len(context))
-        while len(request.pages) * self.page_size < end:
-            self._take_page(request)  # (promised on admission)
-        tokens = np.zeros((1, C), np.int32)
-        tokens[0, : end - start] = context[start:end]
-        self._cache, logits = _prefill_chunk(
-            self.model, self._cache, jnp.asarray(self._table[request.slot : request.slot + 1]), jnp.asarray(tokens),
-            jnp.asarray(start, jnp.int32), jnp.asarray(len(context), jnp.int32), compute=self.compute,
+        for request in pending:
+            if not request.looked_up:
+                self._reuse_prefix(request)
+        # One chunk for each of the oldest admitted requests: the smallest power of two (>= 16)
+        # holding the longest remainder, up to prefill_chunk (a prompt after a cached prefix
+        # costs a short chunk); rows padded to a power of two. Few shapes compile.
+        longest = max(len(r.context) - r.prefilled for r in pending)
+        C = min(self.prefill_chunk, max(16, 1 << (longest - 1).bit_length()))
+        P = 1 << (len(pending) - 1).bit_length()
+        rows = np.full((P,), self.max_seqs, np.int32)
+        table = np.full((P, self._table.shape[1]), self.num_pages, np.int32)
+        tokens = np.zeros((P, C), np.int32)
+        start, length = np.zeros((P,), np.int32), np.ones((P,), np.int32)
+        for i, r in enumerate(pending):
+            assert r.slot is not None
+            end = min(r.prefilled + C, len(r.context))
+            while len(r.pages) * self.page_size < end:
+                self._take_page(r)  # (promised on admission)
+            tokens[i, : end - r.prefilled] = r.context[r.prefilled : end]
+            table[i], start[i], length[i] = self._table[r.slot], r.prefilled, len(r.context)
+            rows[i] = r.slot if end == len(r.context) else self.max_seqs
+            r.prefilled = end
+        self._cache, self._logits = _prefill_chunk(
+            self.model, self._cache, self._logits, jnp.asarray(rows), jnp.asarray(table), jnp.asarray(tokens),
+            jnp.asarray(start), jnp.asarray(length), compute=self.compute,
         )
-        request.prefilled = end
-        if request.running:
-            self._logits = _set_row(self._logits, request.slot, logits)
-            self._pool.register(context, request.pages)  # later requests may share its full pages
+        for r in pending:
+            if r.running:
+                self._pool.register(r.context, r.pages)  # later requests may share its full pages
 
     def _sampler_arrays(self, running: list[_Request], rows: int) -> SamplerArrays:
         key = (tuple(r.id for r in running), rows)

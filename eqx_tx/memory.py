@@ -209,11 +209,12 @@ def compile_engine_step(
     max_seq_len: int,
     page_size: int = 16,
     prefill_chunk: int = 512,
+    prefill_rows: int = 4,
     compute: ComputeConfig,
     cache_dtype=jnp.bfloat16,
 ):
     """Compile `eqx_tx.Engine`'s two steps with every slot running: a prefill chunk
-    and a decode step over a page pool of `pool_tokens` tokens for `max_seqs`
+    of `prefill_rows` requests and a decode step over a page pool of `pool_tokens` tokens for `max_seqs`
     sequences of up to `max_seq_len` tokens. Returns `{"prefill": compiled,
     "decode": compiled}`."""
     config = model.config
@@ -225,9 +226,10 @@ def compile_engine_step(
     logits = _sds((max_seqs, config.vocab_size), jnp.float32, mesh, None, "act_vocab")
     sampler = jax.eval_shape(lambda: SamplerArrays.from_params([SamplingParams()] * max_seqs, (0,), config.vocab_size))
     sampler = jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh), sampler)
-    scalar = _sds((), jnp.int32, mesh)
     with jax.set_mesh(mesh):
-        pre = _prefill_chunk.lower(model, cache, _sds((1, pages_per_seq), jnp.int32, mesh),
-                                   _sds((1, prefill_chunk), jnp.int32, mesh), scalar, scalar, compute=compute)
+        prows = _sds((prefill_rows,), jnp.int32, mesh)
+        pre = _prefill_chunk.lower(model, cache, logits, prows, _sds((prefill_rows, pages_per_seq), jnp.int32, mesh),
+                                   _sds((prefill_rows, prefill_chunk), jnp.int32, mesh), prows, prows,
+                                   compute=compute)
         dec = _decode_step.lower(model, cache, logits, rows, table, rows, rows, sampler, compute=compute)
         return {"prefill": pre.compile(), "decode": dec.compile()}

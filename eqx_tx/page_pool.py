@@ -89,6 +89,15 @@ class PagePool:
         self._refs[page] = 1
         return page
 
+    def cached_pages(self, tokens: Sequence[int], max_pages: int) -> int:
+        """How many leading full pages of `tokens` (at most `max_pages`) are cached."""
+        n = 0
+        for key in _page_keys(tokens, self.page_size, max_pages):
+            if key not in self._page_of:
+                break
+            n += 1
+        return n
+
     def share(self, tokens: Sequence[int], max_pages: int) -> list[int]:
         """Reference the cached pages holding the longest prefix of `tokens` (at most
         `max_pages` pages); the caller's promise shrinks by as many pages."""

@@ -37,14 +37,13 @@ def _assert_equal_to_generate(model, requests, results, cache_dtype=None):
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, "int8"])
-def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints, cache_dtype):
+def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints):
     """Three slots, a pool that cannot hold every request at once (requests wait for
     pages), prompts longer than a prefill chunk, requests added mid-run; each equals
     `generate` alone, the decode step compiles once, and the pool ends empty."""
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
     requests = _workload(model.config.vocab_size, seed=0)
-    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=8, prefill_chunk=16, cache_dtype=cache_dtype)
+    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=8, prefill_chunk=16)
     compiled = _decode_step._cache_size()
     ids = [engine.add(*r) for r in requests[:4]]
     streamed: dict[int, list[int]] = {}
@@ -63,17 +62,18 @@ def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints, ca
     assert len({r.stop_reason for r in results}) == 2  # some stop early, some run to their length
     # Shapes are fixed but for the running slots padded to a power of two: one compile per row count (1, 2, 3).
     assert 1 <= _decode_step._cache_size() - compiled <= 3
-    _assert_equal_to_generate(model, requests, results, cache_dtype)
+    _assert_equal_to_generate(model, requests, results)
 
 
-def test_tp_engine_equals_generate(checkpoints):
-    """On a tp=2 mesh (the pool's kv heads split like the model's)."""
+def test_tp_int8_engine_equals_generate(checkpoints):
+    """An int8 pool on a tp=2 mesh (kv heads split like the model's), short of pages."""
     mesh = eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
     model = eqx_tx.load(checkpoints["gqa4_bias"], mesh=mesh, progress=False)
     requests = _workload(model.config.vocab_size, seed=1)[:5]
-    engine = eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=128, page_size=16, prefill_chunk=32)
-    assert engine._cache.k.sharding.spec[3] == "tp"
-    _assert_equal_to_generate(model, requests, engine.run(requests))
+    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=16, prefill_chunk=32,
+                           cache_dtype="int8")
+    assert engine._cache.k.dtype == jax.numpy.int8 and engine._cache.k.sharding.spec[3] == "tp"
+    _assert_equal_to_generate(model, requests, engine.run(requests), cache_dtype="int8")
 
 
 def test_requests_that_can_never_fit_are_refused(checkpoints):

@@ -10,6 +10,7 @@ def test_promises_sharing_and_least_recently_used_eviction():
     pool.register([1, 2, 3, 4, 5], a)  # pages 0, 1 full; the third holds one token
     pool.release(a)
     assert (pool.referenced, pool.cached, pool.available) == (0, 2, 4)
+    assert [pool.cached_pages([1, 2, 3, 4, 5], n) for n in (1, 2)] == [1, 2] and pool.cached_pages([1, 3], 1) == 0
     # Same first page only: one page shared, the promise shrinks by one.
     assert pool.promise(2) and pool.share([1, 2, 9, 9], 2) == a[:1] and pool.available == 2
     b = [a[0], pool.take()]
