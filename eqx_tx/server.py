@@ -108,11 +108,12 @@ class EngineLoop:
                     self.engine.result(event.request_id)  # the handler has every token
 
 
-class CompletionRequest(BaseModel):
+class _Sampled(BaseModel):
+    """The fields both endpoints share (unknown fields are ignored, as OpenAI's
+    optional ones we do not implement)."""
+
     model_config = ConfigDict(extra="ignore")
     model: str
-    prompt: str | list[int]
-    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -120,22 +121,18 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[int]
+    max_tokens: int | None = 16
     logprobs: int | None = None
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
+class ChatRequest(_Sampled):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
 
 

@@ -141,6 +141,20 @@ def _slice_segments(seg, start, size):
     return None if seg is None else jax.lax.dynamic_slice_in_dim(seg, start, size, axis=1)
 
 
+def online_softmax_step(acc, s, v, pv_spec: str):
+    """Fold one block of masked scores `s [..., q, keys]` (float32, `-inf` where
+    invisible) and its values into the running `(out, max, sum)` of an online
+    softmax; `pv_spec` is the einsum of probabilities and values into `out`."""
+    o, m, l = acc
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum(pv_spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return alpha[..., None] * o + pv, m_new, l
+
+
 def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling, q_seg=None, k_seg=None):
     """The raw forward pass on the padded, grouped inputs of `prepare_blocks`.
 
@@ -175,13 +189,7 @@ def flash_forward(q, k, v, kv_lengths, q_pos, k_pos, static: Tiling, q_seg=None,
             s = jnp.einsum("bhgqk,bhsk->bhgqs", q_i, k_j, preferred_element_type=jnp.float32)
             s = s * static.scale
             s = jnp.where(_tile_mask(q_pos_i, k_pos_j, kv_lengths, static.causal, q_seg_i, k_seg_j), s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhgqs,bhsk->bhgqk", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32)
-            return alpha[..., None] * o + pv, m_new, l
+            return online_softmax_step((o, m, l), s, v_j, "bhgqs,bhsk->bhgqk")
 
         o0 = jnp.zeros((B, Hkv, G, bq, K), jnp.float32)
         m0 = jnp.full((B, Hkv, G, bq), -jnp.inf, jnp.float32)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .flash import online_softmax_step
 from .quantized import Quantized
 
 
@@ -64,7 +65,6 @@ def paged_attention(
         return x.reshape(B, S, K, H)
 
     def block(j, carry):
-        o, m, l = carry
         pages = jnp.clip(jax.lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1), 0, values_k.shape[1] - 1)
         k_pos = j * S + jnp.arange(S)
         visible = (k_pos[None, None, :] < kv_lengths[:, None, None]) & (k_pos[None, None, :] <= q_positions[:, :, None])
@@ -72,13 +72,7 @@ def paged_attention(
         v_bskh = jnp.where((k_pos[None, :] < kv_lengths[:, None])[:, :, None, None], load(pool_v, pages), 0)
         s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
-        return alpha[..., None] * o + pv, m_new, l
+        return online_softmax_step(carry, s, v_bskh, "bkgts,bskh->bkgth")
 
     o0 = jnp.zeros((B, K, G, T, H), jnp.float32)
     m0 = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from ..kernels.quantized import Quantized
 from ..sharding import HasAxes
+from .kv_storage import store_kv, zero_kv
 from .paged_kv_cache import PagedKVCache
 
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
@@ -44,11 +45,7 @@ class KVCache(HasAxes):
 
     @classmethod
     def zeros(cls, *, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (layers, batch, max_len, kv_heads, head_dim)
-        if jnp.dtype(dtype) == jnp.int8:
-            scale = jnp.zeros(shape[:-1], jnp.float32)
-            return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(*zero_kv((layers, batch, max_len, kv_heads, head_dim), dtype))
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"k": KV_AXES, "v": KV_AXES, "k_scale": SCALE_AXES, "v_scale": SCALE_AXES}
@@ -82,11 +79,7 @@ class KVCache(HasAxes):
         def put(buf, x):
             return buf.at[index, b, positions].set(x.astype(buf.dtype), mode="drop")
 
-        if self.quantized:
-            kq, vq = Quantized.quantize(k_new), Quantized.quantize(v_new)
-            new = (put(self.k, kq.values), put(self.v, vq.values), put(self.k_scale, kq.scale), put(self.v_scale, vq.scale))
-            return eqx.tree_at(lambda c: (c.k, c.v, c.k_scale, c.v_scale), self, new)
-        return eqx.tree_at(lambda c: (c.k, c.v), self, (put(self.k, k_new), put(self.v, v_new)))
+        return store_kv(self, put, k_new, v_new)
 
 
 class SharedPrefixCache(eqx.Module):

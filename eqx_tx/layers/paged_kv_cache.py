@@ -13,12 +13,12 @@ the longest sequence's length, gathering them straight from the pool.
 """
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..kernels.quantized import Quantized
 from ..sharding import HasAxes
+from .kv_storage import store_kv, zero_kv
 
 POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
 POOL_SCALE_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads")
@@ -47,12 +47,8 @@ class PagedKVCache(HasAxes):
         pages_per_seq: int,
     ) -> "PagedKVCache":
         """An empty pool with every page-table entry unallocated."""
-        shape = (layers, pages, page_size, kv_heads, head_dim)
         table = jnp.full((batch, pages_per_seq), pages, jnp.int32)
-        if jnp.dtype(dtype) == jnp.int8:
-            scale = jnp.zeros(shape[:-1], jnp.float32)
-            return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale, table)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, None, table)
+        return cls(*zero_kv((layers, pages, page_size, kv_heads, head_dim), dtype), table)
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"k": POOL_AXES, "v": POOL_AXES, "k_scale": POOL_SCALE_AXES, "v_scale": POOL_SCALE_AXES,
@@ -105,9 +101,4 @@ class PagedKVCache(HasAxes):
         def put(buf, x):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
 
-        if self.quantized:
-            kq, vq = Quantized.quantize(k_new), Quantized.quantize(v_new)
-            new = (put(self.k, kq.values), put(self.v, vq.values), put(self.k_scale, kq.scale),
-                   put(self.v_scale, vq.scale))
-            return eqx.tree_at(lambda c: (c.k, c.v, c.k_scale, c.v_scale), self, new)
-        return eqx.tree_at(lambda c: (c.k, c.v), self, (put(self.k, k_new), put(self.v, v_new)))
+        return store_kv(self, put, k_new, v_new)
