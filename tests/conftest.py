@@ -37,3 +37,11 @@ def trained_tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "tiny"
     train.main(tool_args(train, output_dir=str(out), steps=40, progress=False))
     return str(out / "final")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_functions_after_each_module():
+    """Each xdist worker runs ~170 tests; without this, every jitted function it
+    compiled stays cached until the end, and a worker grows by several GB."""
+    yield
+    jax.clear_caches()
