@@ -44,7 +44,7 @@ from .layers.paged_kv_cache import PagedKVCache
 from .models import CausalLM
 from .models.transformer import new_paged_cache
 from .page_pool import PagePool
-from .sampling import SamplerArrays, SamplingParams, candidate_window, sample_batch
+from .sampling import SamplerArrays, SamplingParams, sample_batch
 from .sharding import constrain, current_mesh, mesh_context
 from .util import ceil_div
 
@@ -387,17 +387,9 @@ class Engine:
         if self._sampler is None or self._sampler[0] != key:
             params = [r.params for r in running] + [SamplingParams()] * (rows - len(running))
             samples = [r.sample for r in running] + [0] * (rows - len(running))
-            vocab = self.model.config.vocab_size
-            self._sampler = key, SamplerArrays(
-                temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-                top_k=jnp.asarray([min(p.top_k, vocab) for p in params], jnp.int32),
-                top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-                seed=jnp.asarray([p.seed for p in params], jnp.uint32),
-                sample=jnp.asarray(samples, jnp.uint32),
-                max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
-                stop_ids=jnp.full((rows, 1), -1, jnp.int32),  # stops are checked here, on the host
-                window=candidate_window(max(p.top_k for p in params), vocab),
-            )
+            # Stops are checked here, on the host: no stop ids on the device (one shape for all).
+            params = [dataclasses.replace(p, stop_token_ids=()) for p in params]
+            self._sampler = key, SamplerArrays.from_params(params, (), self.model.config.vocab_size, samples)
         return self._sampler[1]
 
     def _decode(self) -> list[TokenEvent]:

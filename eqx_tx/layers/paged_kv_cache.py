@@ -66,11 +66,6 @@ class PagedKVCache(HasAxes):
     def page_size(self) -> int:
         return self.k.shape[2]
 
-    @property
-    def max_len(self) -> int:
-        """Positions one sequence can hold: its page-table width times the page size."""
-        return self.page_table.shape[1] * self.page_size
-
     def with_table(self, page_table: Int[Array, "batch pages_per_seq"]) -> "PagedKVCache":
         """The same pool read and written through another page table (other sequences)."""
         return eqx.tree_at(lambda c: c.page_table, self, page_table)
