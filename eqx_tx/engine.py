@@ -20,7 +20,10 @@
    nothing recompiles as requests come and go), handing out pages as they fill.
 
 A finished request's slot and pages go to the next waiting request at once (its
-full pages stay cached until the space is needed). Each request's tokens and
+full pages stay cached until the space is needed). With a LoRA adapter bank
+(`apply_lora(..., adapters=n)`) each request names its adapter, rows of one batch
+use different adapters, and cached pages are shared only between requests of the
+same adapter. Each request's tokens and
 log-probs equal `generate` on that request alone: the sampler draws token `i` with
 the request's own key (`SamplingParams.seed`), and attention reads exactly the
 request's own positions.
@@ -32,6 +35,7 @@ import functools
 import itertools
 from collections.abc import Iterable, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +44,7 @@ from .compute import ComputeConfig
 from .distributed import to_host
 from .generation import STOP_REASONS, Generation, _check_requests, _decode_one, _last_token_logits
 from .layers.attention import AttentionMask
+from .layers.lora import check_adapter_ids, has_bank, select_adapters
 from .layers.paged_kv_cache import PagedKVCache
 from .models import CausalLM
 from .models.transformer import new_paged_cache
@@ -65,6 +70,7 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     sample: int
+    adapter: int | None
     stop: frozenset[int]
     pages_needed: int
     promised: int = 0  # pages promised and not yet taken
@@ -82,18 +88,26 @@ class _Request:
         return self.slot is not None and self.prefilled == len(self.context)
 
     @property
+    def namespace(self) -> int:
+        """Its prefix-cache namespace: keys/values are shared only within one adapter."""
+        return self.adapter or 0
+
+    @property
     def written(self) -> list[int]:
         """The tokens whose keys/values are in its pages (every sampled token is fed)."""
         return self.prompt + self.tokens if self.running else self.context[: self.prefilled]
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
-def _prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, table, tokens, start, length, *,
+def _prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, table, tokens, start, length, adapters, *,
                    compute: ComputeConfig):
     """Positions `[start[i], start[i] + C)` of `P` contexts (`tokens [P, C]`, real up to
     `length[i]`) into their pages (`table [P, pages_per_seq]`; padding rows: unallocated).
     Each context's next-token logits go to slot `rows[i]` (out of range: dropped, for
-    padding and contexts that do not end in this chunk)."""
+    padding and contexts that do not end in this chunk). `adapters [P]`: each context's
+    adapter of the model's LoRA bank (`None` without one)."""
+    if adapters is not None:
+        model = select_adapters(model, adapters)
     C = tokens.shape[1]
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
     mask = AttentionMask(kv_lengths=length, q_offset=start)
@@ -110,12 +124,15 @@ def _zero_logits(rows: int, vocab: int):
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
-def _decode_step(model: CausalLM, cache: PagedKVCache, logits, rows, table, positions, generated,
+def _decode_step(model: CausalLM, cache: PagedKVCache, logits, rows, table, positions, generated, adapters,
                  sampler: SamplerArrays, *, compute: ComputeConfig):
     """For the slots `rows [R]` (padding: an out-of-range slot): sample token
     `generated[i]` from the slot's logits, feed it at `positions[i]` through the
     slot's pages `table [R, pages_per_seq]` (padding rows: unallocated, their writes
-    dropped) and store the next logits. Returns the tokens and their log-probs."""
+    dropped) with adapter `adapters[i]` (`None`: no bank) and store the next logits.
+    Returns the tokens and their log-probs."""
+    if adapters is not None:
+        model = select_adapters(model, adapters)
     token, logp = sample_batch(jnp.take(logits, rows, axis=0, mode="clip"), sampler, generated)
     out, new = _decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
     assert isinstance(out, PagedKVCache)
@@ -184,15 +201,37 @@ class Engine:
         self._finished: dict[int, Generation] = {}
         self._next_id = 0
         self._sampler: tuple[tuple, SamplerArrays] | None = None  # (running ids, rows) -> their sampler
+        self._bank = has_bank(model)
+
+    def set_model(self, model: CausalLM) -> None:
+        """Sample from new weights from now on (e.g. after a training step: the arrays
+        are used as they are, not copied). `model` must have the same structure,
+        shapes and sharding as the engine's (same config, same adapters), and the engine
+        must be idle: a running request's keys/values came from the old weights. The
+        prefix cache is emptied for the same reason."""
+        if self.has_work():
+            raise ValueError("set_model while requests are waiting or running: their keys/values would mix weights")
+        def signature(m):
+            leaves, treedef = jax.tree.flatten(m)
+            return treedef, [(x.shape, x.dtype) if eqx.is_array(x) else x for x in leaves]
+
+        if signature(model) != signature(self.model):
+            raise ValueError("set_model needs a model of the engine's structure and shapes (same config and adapters)")
+        self.model = model
+        self._pool.forget()
 
     # -- requests ----------------------------------------------------------------------------
 
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), *, sample: int = 0) -> int:
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), *, sample: int = 0,
+            adapter: int | None = None) -> int:
         """Queue a request; returns its id. `sample`: which of a prompt's `n` samples it
         is (its seed stream, as `generate(..., n=n)`); samples of one prompt share its
-        cached pages. Raises `ValueError` for a request the engine can never hold
-        (longer than `max_seq_len`, or needing more pages than the pool)."""
+        cached pages. `adapter`: for a model with a LoRA bank, the adapter the request
+        runs with (required then). Raises `ValueError` for a request the engine can
+        never hold (longer than `max_seq_len`, or needing more pages than the pool) or
+        a missing or unknown adapter."""
         [prompt], [params] = _check_requests(self.model.config, [prompt_ids], [params], 1, None)
+        check_adapter_ids(self.model, None if adapter is None else np.asarray([adapter]), 1, name="adapter")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_seq_len:
             raise ValueError(f"request needs {len(prompt)} prompt + {params.max_new_tokens} new tokens = {total}, "
@@ -201,7 +240,7 @@ class Engine:
         if need > self.num_pages:
             raise ValueError(f"request needs {need} pages of {self.page_size} tokens; the pool has {self.num_pages}")
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.model.config.eos_token_ids
-        request = _Request(self._next_id, prompt, params, sample, frozenset(stop), need)
+        request = _Request(self._next_id, prompt, params, sample, adapter, frozenset(stop), need)
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -227,9 +266,15 @@ class Engine:
                 self._finish(request, None)
                 return
 
-    def run(self, requests: Iterable[tuple[Sequence[int], SamplingParams]]) -> list[Generation]:
-        """Add every `(prompt_ids, params)` and step until all finish; results in order."""
-        ids = [self.add(prompt, params) for prompt, params in requests]
+    def run(self, requests: Iterable[tuple[Sequence[int], SamplingParams]], *,
+            adapters: Sequence[int] | None = None) -> list[Generation]:
+        """Add every `(prompt_ids, params)` (with `adapters[i]` for a LoRA bank) and step
+        until all finish; results in order."""
+        requests = list(requests)
+        each: list[int | None] = [None] * len(requests) if adapters is None else list(adapters)
+        if len(each) != len(requests):
+            raise ValueError(f"{len(each)} adapters for {len(requests)} requests")
+        ids = [self.add(prompt, params, adapter=a) for (prompt, params), a in zip(requests, each)]
         while not all(i in self._finished for i in ids):
             self.step()
         return [self.result(i) for i in ids]
@@ -247,13 +292,15 @@ class Engine:
                 self._cache, self._logits = _prefill_chunk(
                     self.model, self._cache, self._logits, jnp.full((P,), self.max_seqs, jnp.int32),
                     jnp.asarray(np.repeat(unallocated, P, axis=0)), jnp.zeros((P, C), jnp.int32),
-                    jnp.zeros((P,), jnp.int32), jnp.ones((P,), jnp.int32), compute=self.compute,
+                    jnp.zeros((P,), jnp.int32), jnp.ones((P,), jnp.int32), self._adapter_ids([], P),
+                    compute=self.compute,
                 )
             for R in sorted(rows):
                 idle = jnp.full((R,), self.max_seqs, jnp.int32)  # out of range: nothing stored
                 self._cache, self._logits, _, _ = _decode_step(
                     self.model, self._cache, self._logits, idle, jnp.asarray(np.repeat(unallocated, R, axis=0)),
-                    jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32), self._sampler_arrays([], R),
+                    jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32), self._adapter_ids([], R),
+                    self._sampler_arrays([], R),
                     compute=self.compute,
                 )
 
@@ -321,7 +368,8 @@ class Engine:
         """Start `request` after its longest cached prefix (its last prompt token is
         always computed: its logits are needed)."""
         assert request.slot is not None
-        shared = self._pool.share(request.context, (len(request.context) - 1) // self.page_size)
+        shared = self._pool.share(request.context, (len(request.context) - 1) // self.page_size,
+                                  namespace=request.namespace)
         request.looked_up, request.pages, request.promised = True, shared, request.promised - len(shared)
         self._table[request.slot, : len(shared)] = shared
         request.prefilled = len(shared) * self.page_size
@@ -333,8 +381,10 @@ class Engine:
         `request`'s prefix that the cache does not hold yet: then `request` waits for
         them and shares them instead of computing them again."""
         ps, limit = self.page_size, (len(request.context) - 1) // self.page_size
-        cached = self._pool.cached_pages(request.context, limit)
+        cached = self._pool.cached_pages(request.context, limit, namespace=request.namespace)
         for other in others:
+            if other.namespace != request.namespace:
+                continue
             common = 0
             while (common < limit and (common + 1) * ps <= len(other.context)
                    and other.context[common * ps : (common + 1) * ps] == request.context[common * ps : (common + 1) * ps]):
@@ -376,11 +426,17 @@ class Engine:
             r.prefilled = end
         self._cache, self._logits = _prefill_chunk(
             self.model, self._cache, self._logits, jnp.asarray(rows), jnp.asarray(table), jnp.asarray(tokens),
-            jnp.asarray(start), jnp.asarray(length), compute=self.compute,
+            jnp.asarray(start), jnp.asarray(length), self._adapter_ids(pending, P), compute=self.compute,
         )
         for r in pending:
             if r.running:
-                self._pool.register(r.context, r.pages)  # later requests may share its full pages
+                self._pool.register(r.context, r.pages, namespace=r.namespace)  # later requests may share them
+
+    def _adapter_ids(self, requests: list[_Request], rows: int):
+        """Each row's adapter (padding rows: adapter 0), or `None` for a model without a bank."""
+        if not self._bank:
+            return None
+        return jnp.asarray([r.adapter for r in requests] + [0] * (rows - len(requests)), jnp.int32)
 
     def _sampler_arrays(self, running: list[_Request], rows: int) -> SamplerArrays:
         key = (tuple(r.id for r in running), rows)
@@ -412,7 +468,8 @@ class Engine:
             rows[i], table[i], positions[i], generated[i] = r.slot, self._table[r.slot], position, len(r.tokens)
         self._cache, self._logits, token, logp = _decode_step(
             self.model, self._cache, self._logits, jnp.asarray(rows), jnp.asarray(table), jnp.asarray(positions),
-            jnp.asarray(generated), self._sampler_arrays(running, R), compute=self.compute,
+            jnp.asarray(generated), self._adapter_ids(running, R), self._sampler_arrays(running, R),
+            compute=self.compute,
         )
         token, logp = to_host(token), to_host(logp)
         events = []
@@ -429,7 +486,7 @@ class Engine:
     def _release(self, request: _Request) -> None:
         """Free the request's slot and pages (its full pages stay cached by their tokens)."""
         assert request.slot is not None
-        self._pool.register(request.written, request.pages)
+        self._pool.register(request.written, request.pages, namespace=request.namespace)
         self._pool.release(request.pages)
         self._pool.unpromise(request.promised)
         self._table[request.slot] = self.num_pages

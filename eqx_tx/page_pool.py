@@ -11,6 +11,8 @@ Pages move between three states:
 A full page is keyed by a digest of every token up to and including it (a chain
 of digests: page `j`'s key covers tokens `[0, (j + 1) * page_size)`), so two
 sequences share page `j` only if their first `(j + 1) * page_size` tokens agree.
+The chain starts from a `namespace` (for example the LoRA adapter that computed
+the keys/values): sequences of different namespaces never share pages.
 
 Admission promises pages: `promise(n)` succeeds only if `n` pages can be had
 (free or evictable) beyond those already promised, so a sequence that was admitted
@@ -23,11 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_ROOT = b""
-
-
-def _page_keys(tokens: Sequence[int], page_size: int, pages: int) -> list[bytes]:
-    keys, key = [], _ROOT
+def _page_keys(tokens: Sequence[int], page_size: int, pages: int, namespace: int) -> list[bytes]:
+    keys, key = [], namespace.to_bytes(8, "little", signed=True)
     for j in range(pages):
         chunk = np.asarray(tokens[j * page_size : (j + 1) * page_size], np.int64).tobytes()
         key = hashlib.blake2b(key + chunk, digest_size=16).digest()
@@ -89,20 +88,20 @@ class PagePool:
         self._refs[page] = 1
         return page
 
-    def cached_pages(self, tokens: Sequence[int], max_pages: int) -> int:
+    def cached_pages(self, tokens: Sequence[int], max_pages: int, *, namespace: int = 0) -> int:
         """How many leading full pages of `tokens` (at most `max_pages`) are cached."""
         n = 0
-        for key in _page_keys(tokens, self.page_size, max_pages):
+        for key in _page_keys(tokens, self.page_size, max_pages, namespace):
             if key not in self._page_of:
                 break
             n += 1
         return n
 
-    def share(self, tokens: Sequence[int], max_pages: int) -> list[int]:
+    def share(self, tokens: Sequence[int], max_pages: int, *, namespace: int = 0) -> list[int]:
         """Reference the cached pages holding the longest prefix of `tokens` (at most
         `max_pages` pages); the caller's promise shrinks by as many pages."""
         pages = []
-        for key in _page_keys(tokens, self.page_size, max_pages):
+        for key in _page_keys(tokens, self.page_size, max_pages, namespace):
             page = self._page_of.get(key)
             if page is None:
                 break
@@ -113,11 +112,11 @@ class PagePool:
         self.unpromise(len(pages))
         return pages
 
-    def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
+    def register(self, tokens: Sequence[int], pages: Sequence[int], *, namespace: int = 0) -> None:
         """Key each of `pages` that is full of `tokens` (page `j` holds tokens
         `[j * page_size, (j + 1) * page_size)`) for later sharing."""
         full = min(len(tokens) // self.page_size, len(pages))
-        for key, page in zip(_page_keys(tokens, self.page_size, full), pages):
+        for key, page in zip(_page_keys(tokens, self.page_size, full, namespace), pages):
             if key not in self._page_of and self._key_of[page] is None:
                 self._page_of[key] = page
                 self._key_of[page] = key
@@ -133,3 +132,11 @@ class PagePool:
                     self._evictable[page] = None
                 else:
                     self._free.append(page)
+
+    def forget(self) -> None:
+        """Drop every key (the keys/values they name are stale, e.g. new weights):
+        cached pages become free, referenced ones are no longer shared."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_of.clear()
+        self._key_of = [None] * self.num_pages

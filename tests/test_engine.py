@@ -1,6 +1,7 @@
 """The continuous-batching engine over a paged KV cache: every request equals
 `generate` on that request alone, whatever runs beside it and whenever it arrives."""
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -113,3 +114,59 @@ def test_cached_prefix_pages_are_shared_and_exact(checkpoints):
     # samples reuse prompts[2]'s first 4 full pages (33 tokens: the last is always computed).
     assert stats["cached_tokens"] == 3 * 24 + 3 * 32, stats
     assert stats["pages_in_use"] == 0 and stats["pages_cached"] > 0
+
+
+def _bank(model, adapters: int):
+    """`model` with a bank of `adapters` LoRA adapters that all differ (B randomised)."""
+    bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "down_proj"),
+                             adapters=adapters, key=jax.random.key(1))
+    leaves, treedef = jax.tree.flatten(bank, is_leaf=lambda x: x is None)
+    lora = set(map(id, jax.tree.leaves(eqx.filter(bank, eqx_tx.layers.lora.lora_filter(bank)))))
+    keys = iter(jax.random.split(jax.random.key(2), len(leaves)))
+    return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(next(keys), x.shape) if id(x) in lora else x
+                                        for x in leaves])
+
+
+def test_requests_with_different_adapters_of_a_bank(checkpoints):
+    """Requests naming different LoRA adapters of a bank run in one batch, each equal
+    to `generate` with its adapter; a shared system prompt's pages are shared only
+    between requests of the same adapter (the adapter changes its keys/values)."""
+    bank = _bank(eqx_tx.load(checkpoints["gqa_untied"], progress=False), adapters=3)
+    rng = np.random.default_rng(4)
+    system = rng.integers(0, bank.config.vocab_size, size=16).tolist()
+    prompts = [system + rng.integers(0, bank.config.vocab_size, size=k).tolist() for k in (3, 5, 2, 7, 4)]
+    adapters = [2, 0, 2, 1, 0]
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=5, temperature=0.9, top_k=20, seed=3)] * 2
+    params.append(SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9, seed=5))
+    engine = eqx_tx.Engine(bank, max_seqs=3, max_tokens_in_cache=128, page_size=8, prefill_chunk=16)
+    results = engine.run(zip(prompts, params), adapters=adapters)
+    for got, want in zip(results, eqx_tx.generate(bank, prompts, params, adapters=adapters)):
+        assert got.tokens == want.tokens
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    # Two pages of system prompt per request: adapters 2 and 0 reuse them once each, adapter 1 never.
+    assert engine.stats()["cached_tokens"] == 2 * 16, engine.stats()
+    with pytest.raises(ValueError, match="adapter must name each sequence"):
+        engine.add(prompts[0])
+    with pytest.raises(ValueError, match=r"adapter must lie in \[0, 3\)"):
+        engine.add(prompts[0], adapter=3)
+
+
+def test_set_model_samples_from_new_weights(checkpoints):
+    """After `set_model` (e.g. a training step) the engine samples from the new weights,
+    without reusing pages computed by the old ones; it refuses a busy engine or a model
+    of another shape."""
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    prompt, params = list(range(1, 20)), SamplingParams(max_new_tokens=5)
+    engine = eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=64, page_size=8, prefill_chunk=16)
+    engine.run([(prompt, params)])
+    new = jax.tree.map(lambda x: x * 1.5 if eqx.is_inexact_array(x) and x.ndim == 3 else x, model)
+    engine.set_model(new)
+    [got] = engine.run([(prompt, params)])
+    [want] = eqx_tx.generate(new, [prompt], params)
+    assert got.tokens == want.tokens and engine.stats()["cached_tokens"] == 0
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="structure and shapes"):
+        engine.set_model(eqx_tx.load(checkpoints["mha_tied"], progress=False))
+    engine.add(prompt, params)
+    with pytest.raises(ValueError, match="while requests are waiting or running"):
+        engine.set_model(model)

@@ -22,3 +22,21 @@ def test_promises_sharing_and_least_recently_used_eviction():
     assert pool.cached == 0 and pool.share([1, 2, 3, 4], 2) == []  # evicted keys are gone
     pool.release(taken)
     assert pool.referenced == 0 and pool.available == 4
+
+
+def test_namespaces_never_share_and_forget_drops_every_key():
+    pool = PagePool(num_pages=4, page_size=2)
+    assert pool.promise(2)
+    a = [pool.take(), pool.take()]
+    pool.register([1, 2, 3, 4], a, namespace=1)  # e.g. computed with LoRA adapter 1
+    assert pool.cached_pages([1, 2, 3, 4], 2, namespace=1) == 2
+    assert pool.cached_pages([1, 2, 3, 4], 2) == 0 and pool.cached_pages([1, 2, 3, 4], 2, namespace=2) == 0
+    assert pool.promise(2) and pool.share([1, 2, 3, 4], 2, namespace=0) == []
+    pool.unpromise(2)
+    pool.release(a[1:])  # a[1] cached, a[0] still referenced
+    assert (pool.referenced, pool.cached) == (1, 1)
+    pool.forget()  # new weights: nothing cached stays valid
+    assert (pool.referenced, pool.cached, pool.available) == (1, 0, 3)
+    assert pool.cached_pages([1, 2, 3, 4], 2, namespace=1) == 0
+    pool.release(a[:1])  # no key any more: free, not cached
+    assert (pool.referenced, pool.cached, pool.available) == (0, 0, 4)
