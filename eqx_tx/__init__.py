@@ -1,7 +1,7 @@
 """eqx_tx: memory-first training and sampling of Hugging Face LLMs in JAX + Equinox."""
 
 from ._log import enable_console_logging
-from .adapters import load_adapter, save_adapter
+from .adapters import load_adapter, load_adapter_bank, save_adapter
 from .batch import Batch
 from .compute import ComputeConfig
 from .engine import Engine, TokenEvent
@@ -47,6 +47,7 @@ __all__ = [
     "init_train_state",
     "load",
     "load_adapter",
+    "load_adapter_bank",
     "load_tokenizer",
     "logits",
     "make_mesh",

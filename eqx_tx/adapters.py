@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -69,6 +70,49 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
     barrier("eqx_tx-save-adapter")
 
 
+def _read_config(directory: str | os.PathLike) -> dict:
+    """`rank`, `alpha` and `targets` of the PEFT LoRA adapter in `directory`."""
+    config_path = os.path.join(directory, ADAPTER_CONFIG)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{os.fspath(directory)} is not a PEFT adapter: {ADAPTER_CONFIG} missing")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{config_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("fan_in_fan_out"):
+        raise ValueError(f"{config_path}: DoRA, rsLoRA and fan_in_fan_out adapters are not supported")
+    targets = cfg["target_modules"]
+    return dict(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                targets=sorted([targets] if isinstance(targets, str) else targets))
+
+
+def load_adapter_bank(model, directories: Sequence[str | os.PathLike], *, dtype=jnp.float32,
+                      base_slot: bool = False):
+    """A bank of the PEFT LoRA adapters in `directories` on `model` (without adapters).
+
+    **Arguments:**
+
+    - `model`: the base model.
+    - `directories`: PEFT adapter directories of the same targets, rank and alpha;
+      directory `i` goes to slot `i`.
+    - `dtype`: the adapters' dtype.
+    - `base_slot`: add slot 0 of zeros (`B = 0`: exactly the base model), and put
+      directory `i` in slot `i + 1`, so one bank serves the base and its adapters.
+
+    **Returns:** the model with a bank of `len(directories) + base_slot` adapters.
+    """
+    if not directories:
+        raise ValueError("load_adapter_bank needs at least one adapter directory")
+    settings = _read_config(directories[0])
+    bank = apply_lora(model, **settings, dtype=dtype, adapters=len(directories) + base_slot, key=jax.random.key(0))
+    for i, directory in enumerate(directories):
+        if (other := _read_config(directory)) != settings:
+            raise ValueError(f"{os.fspath(directory)}: adapter {other} differs from {os.fspath(directories[0])}'s "
+                             f"{settings}: one bank needs the same targets, rank and alpha")
+        bank = load_adapter(bank, directory, dtype=dtype, slot=i + base_slot)
+    return bank
+
+
 def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32, slot: int | None = None):
     """Attach the PEFT LoRA adapter in `directory` to `model` (sharded like the model).
 
@@ -80,21 +124,10 @@ def load_adapter(model, directory: str | os.PathLike, *, dtype=jnp.float32, slot
             raise ValueError("slot= given, but the model has no adapter bank")
         return set_adapter_slot(model, slot, load_adapter(without_adapters(model), directory, dtype=dtype))
     directory = os.fspath(directory)
-    config_path = os.path.join(directory, ADAPTER_CONFIG)
     weights_path = os.path.join(directory, ADAPTER_WEIGHTS)
-    for path in (config_path, weights_path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{directory} is not a PEFT adapter: {os.path.basename(path)} missing")
-    with open(config_path) as f:
-        cfg = json.load(f)
-    if cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{config_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("fan_in_fan_out"):
-        raise ValueError(f"{config_path}: DoRA, rsLoRA and fan_in_fan_out adapters are not supported")
-    targets = cfg["target_modules"]
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    with_lora = apply_lora(model, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=targets,
-                           dtype=dtype, key=jax.random.key(0))
+    if not os.path.isfile(weights_path):
+        raise FileNotFoundError(f"{directory} is not a PEFT adapter: {ADAPTER_WEIGHTS} missing")
+    with_lora = apply_lora(model, **_read_config(directory), dtype=dtype, key=jax.random.key(0))
     specs = _adapter_specs(with_lora)
     with open_safetensors(weights_path) as f:
         names = set(f.keys())

@@ -3,7 +3,9 @@
 `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template) and
 `/v1/models`, streaming (server-sent events) or not, with `n`, `max_tokens`,
 `temperature`, `top_p`, `top_k` (an extra body field), `stop` (strings), `seed`
-and `logprobs` (the sampled token's log-probability; no alternatives).
+and `logprobs` (the sampled token's log-probability; no alternatives). With a
+LoRA adapter bank, each adapter is served as a model of its own name and requests
+for different adapters share the engine's batches.
 
 One thread owns the engine (`EngineLoop`): requests reach it through a queue, it
 steps while any request is waiting or running, and each request's tokens go back
@@ -21,7 +23,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,11 +49,12 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams, sample: int,
-               listener: Callable[[TokenEvent], object]) -> concurrent.futures.Future:
-        """Queue a request; the future gives its id (or the engine's `ValueError`), and
-        `listener` is called from the engine thread with each of its tokens."""
+               listener: Callable[[TokenEvent], object], adapter: int | None = None) -> concurrent.futures.Future:
+        """Queue a request (with `adapter` of a LoRA bank); the future gives its id (or
+        the engine's `ValueError`), and `listener` is called from the engine thread
+        with each of its tokens."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", (prompt, params, sample, listener), future))
+        self._inbox.put(("add", (prompt, params, sample, adapter, listener), future))
         return future
 
     def cancel(self, request_id: int) -> None:
@@ -70,9 +73,9 @@ class EngineLoop:
 
     def _handle(self, kind: str, payload, future) -> None:
         if kind == "add":
-            prompt, params, sample, listener = payload
+            prompt, params, sample, adapter, listener = payload
             try:
-                request_id = self.engine.add(prompt, params, sample=sample)
+                request_id = self.engine.add(prompt, params, sample=sample, adapter=adapter)
             except ValueError as e:
                 future.set_exception(e)
                 return
@@ -163,7 +166,7 @@ class _Job:
     """The `n` engine requests of one HTTP request and their tokens, as text."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams, n: int,
-                 stop: list[str]):
+                 stop: list[str], adapter: int | None):
         self.loop, self.tokenizer, self.stop = loop, tokenizer, stop
         self.prompt = prompt
         self.choices = [_Choice() for _ in range(n)]
@@ -171,7 +174,8 @@ class _Job:
         self._events: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
         self._futures = [
-            loop.submit(prompt, params, j, lambda e, j=j: aio.call_soon_threadsafe(self._events.put_nowait, (j, e)))
+            loop.submit(prompt, params, j, lambda e, j=j: aio.call_soon_threadsafe(self._events.put_nowait, (j, e)),
+                        adapter)
             for j in range(n)
         ]
 
@@ -243,8 +247,15 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastAPI:
-    """The FastAPI app serving `loop`'s engine as `model_name`."""
+def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
+              adapters: Mapping[str, int] | None = None) -> FastAPI:
+    """The FastAPI app serving `loop`'s engine as `model_name`.
+
+    With `adapters` (the engine's model holds a LoRA bank) it serves each
+    `name -> slot` of it as model `name`, and `model_name` as `adapters[model_name]`."""
+    slots: dict[str, int | None] = {model_name: None} if adapters is None else dict(adapters)
+    if model_name not in slots:
+        raise ValueError(f"adapters {sorted(slots)} name no adapter for the served model {model_name!r}")
     app = FastAPI(title="eqx_tx")
 
     @app.exception_handler(ApiError)
@@ -259,12 +270,14 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastAP
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "eqx_tx"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "eqx_tx"}
+                                           for name in slots]}
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
+    def adapter_of(name: str) -> int | None:
+        if name not in slots:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {', '.join(map(repr, slots))}",
+                           "model", "model_not_found")
+        return slots[name]
 
     async def run(job: _Job, chunk: Callable[[_Job, int, bool], dict], final: Callable[[_Job], dict],
                   stream: bool):
@@ -292,12 +305,12 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        check_model(body.model)
+        adapter = adapter_of(body.model)
         prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         params = _sampling(body, body.max_tokens or 16)
-        job = _Job(loop, tokenizer, prompt, params, body.n, _stops(body.stop))
+        job = _Job(loop, tokenizer, prompt, params, body.n, _stops(body.stop), adapter)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(job: _Job, j: int, delta: bool) -> dict:
@@ -315,17 +328,17 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastAP
 
         def chunk(job: _Job, j: int, first: bool) -> dict:
             c = {"index": j, "text": "", "finish_reason": None, "logprobs": None} if first else choice(job, j, True)
-            return {"id": ident, "object": "text_completion", "created": created, "model": model_name, "choices": [c]}
+            return {"id": ident, "object": "text_completion", "created": created, "model": body.model, "choices": [c]}
 
         def final(job: _Job) -> dict:
-            return {"id": ident, "object": "text_completion", "created": created, "model": model_name,
+            return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
                     "choices": [choice(job, j, False) for j in range(len(job.choices))], "usage": job.usage()}
 
         return await run(job, chunk, final, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
-        check_model(body.model)
+        adapter = adapter_of(body.model)
         messages: list[Message] = body.messages  # type: ignore[assignment]
         try:
             prompt = tokenizer.encode_prompt(messages, chat=True)
@@ -333,7 +346,7 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastAP
             raise ApiError(400, f"cannot render the chat: {e}", "messages") from e
         limit = loop.engine.max_seq_len - len(prompt)
         params = _sampling(body, body.max_completion_tokens or body.max_tokens or max(limit, 1))
-        job = _Job(loop, tokenizer, prompt, params, body.n, _stops(body.stop))
+        job = _Job(loop, tokenizer, prompt, params, body.n, _stops(body.stop), adapter)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(tokens: list[int], values: list[float]) -> dict | None:
@@ -350,14 +363,14 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastAP
                 delta, lp = {"content": c.text[c.sent :]}, logprobs(c.tokens[-1:], c.logprobs[-1:])
                 c.sent = len(c.text)
             finish = None if first else c.finish_reason
-            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model,
                     "choices": [{"index": j, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
         def final(job: _Job) -> dict:
             choices = [{"index": j, "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs(c.tokens, c.logprobs), "finish_reason": c.finish_reason}
                        for j, c in enumerate(job.choices)]
-            return {"id": ident, "object": "chat.completion", "created": created, "model": model_name,
+            return {"id": ident, "object": "chat.completion", "created": created, "model": body.model,
                     "choices": choices, "usage": job.usage()}
 
         return await run(job, chunk, final, body.stream)

@@ -1,13 +1,17 @@
 """tools/serve.py with the official `openai` client: completions and chat, streaming
 and not, concurrent requests equal to `generate`, stop strings, 4xx answers that
-leave the server working, and a client leaving mid-stream (its pages are freed)."""
+leave the server working, a client leaving mid-stream (its pages are freed), and a
+LoRA adapter served beside the base model."""
 
 import concurrent.futures
+import dataclasses
 import shutil
 import socket
 import threading
 import time
 
+import equinox as eqx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -24,15 +28,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Served:
+    client: openai.OpenAI
+    loop: object
+    tokenizer: object
+    base: object  # the model served as "tiny"
+    tuned: object  # the base with the LoRA adapter served as "tiny-lora"
+
+
 @pytest.fixture(scope="module")
 def served(trained_tiny, tmp_path_factory):
-    """(client, engine loop, tokenizer) of a server on the trained tiny model with a chat template."""
+    """A server on the trained tiny model with a chat template ("tiny") and a LoRA
+    adapter of it ("tiny-lora"): both go through one adapter bank."""
     directory = tmp_path_factory.mktemp("served") / "tiny"
     shutil.copytree(trained_tiny, directory)
     shutil.copy(f"{ROOT}/tests/fixtures/chat_templates/qwen3.jinja", directory / "chat_template.jinja")
+    base = eqx_tx.load(directory, progress=False)
+    tuned = eqx_tx.apply_lora(base, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
+                              key=jax.random.key(0))
+    adapters, rest = eqx.partition(tuned, eqx_tx.layers.lora.lora_filter(tuned))
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+    tuned = eqx.combine(jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), adapters), rest)
+    adapter_dir = directory.parent / "adapter"
+    eqx_tx.save_adapter(tuned, adapter_dir)
     serve = load_tool("serve")
     loop, app = serve.build(serve.Args(model=str(directory), max_seqs=4, max_tokens_in_cache=2048, page_size=16,
-                                       prefill_chunk=32))
+                                       prefill_chunk=32, lora=(f"tiny-lora={adapter_dir}",)))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -40,7 +62,7 @@ def served(trained_tiny, tmp_path_factory):
     while not server.started:
         time.sleep(0.05)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
-    yield client, loop, eqx_tx.load_tokenizer(directory)
+    yield Served(client, loop, eqx_tx.load_tokenizer(directory), base, tuned)
     server.should_exit = True
     thread.join()
     loop.stop()
@@ -51,8 +73,7 @@ def _idle(loop) -> tuple[bool, int]:
 
 
 def test_completions_stream_and_not_equal_generate_under_concurrency(served):
-    client, loop, tokenizer = served
-    model = loop.engine.model
+    client, loop, tokenizer, model = served.client, served.loop, served.tokenizer, served.base
     prompts = ["Once upon a time", "The cat", "A little girl named Lily", "One day, a big"]
     seeds = [1, 2, 3, 4]
 
@@ -80,13 +101,13 @@ def test_completions_stream_and_not_equal_generate_under_concurrency(served):
 
 
 def test_chat_with_n_samples_and_stop_strings(served):
-    client, loop, tokenizer = served
+    client, loop, tokenizer = served.client, served.loop, served.tokenizer
     messages = [{"role": "user", "content": "Tell me a story."}]
     answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=1.0, n=3,
                                             seed=5, logprobs=True)
     assert len(answer.choices) == 3 and len({c.message.content for c in answer.choices}) > 1
     prompt = tokenizer.encode_prompt(messages, chat=True)
-    expected = eqx_tx.generate(loop.engine.model, [prompt], SamplingParams(max_new_tokens=10, temperature=1.0, seed=5),
+    expected = eqx_tx.generate(served.base, [prompt], SamplingParams(max_new_tokens=10, temperature=1.0, seed=5),
                                n=3)
     for choice, want in zip(answer.choices, expected):
         assert choice.message.content == tokenizer.decode(want.tokens)
@@ -109,7 +130,7 @@ def test_chat_with_n_samples_and_stop_strings(served):
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
-    client, loop, _ = served
+    client, loop = served.client, served.loop
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="exceeds max_position_embeddings 2048"):
@@ -126,7 +147,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
 
 
 def test_a_client_leaving_mid_stream_frees_its_pages(served):
-    client, loop, _ = served
+    client, loop = served.client, served.loop
     stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1500, temperature=1.0,
                                        seed=0, stream=True, extra_body={"top_k": 1000})
     chunks = iter(stream)
@@ -138,3 +159,26 @@ def test_a_client_leaving_mid_stream_frees_its_pages(served):
     while _idle(loop) != (False, 0):
         assert time.time() < deadline, "the abandoned request kept running"
         time.sleep(0.1)
+
+
+def test_a_lora_adapter_is_served_beside_the_base(served):
+    """Requests for the base and for its adapter, at once, each equal `generate` with
+    that model; the adapter changes the answers."""
+    client, tokenizer = served.client, served.tokenizer
+    assert {m.id for m in client.models.list()} == {"tiny", "tiny-lora"}
+    prompt = "Once upon a time"
+
+    def ask(name: str):
+        return client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0.7, seed=3, n=2,
+                                         logprobs=1)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = dict(zip(("tiny", "tiny-lora"), pool.map(ask, ("tiny", "tiny-lora"))))
+    params = SamplingParams(max_new_tokens=10, temperature=0.7, seed=3)
+    for name, model in (("tiny", served.base), ("tiny-lora", served.tuned)):
+        assert answers[name].model == name
+        for choice, want in zip(answers[name].choices, eqx_tx.generate(model, [tokenizer.encode(prompt)], params, n=2)):
+            assert choice.text == tokenizer.decode(want.tokens)
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs, rtol=1e-4, atol=1e-5)
+    assert [c.text for c in answers["tiny"].choices] != [c.text for c in answers["tiny-lora"].choices]
+    assert _idle(served.loop) == (False, 0)

@@ -8,7 +8,10 @@ prefix cache across requests). Any OpenAI client works:
                print(c.completions.create(model='final', prompt='Once upon a time', max_tokens=32))"
 
 `top_k` is an extra body field (`extra_body={"top_k": 20}`); `logprobs` gives each
-sampled token's log-probability (no alternatives).
+sampled token's log-probability (no alternatives). `--lora NAME=DIR` (repeatable)
+also serves PEFT LoRA adapters of the model, each as model NAME; requests for the
+base and for any adapter are batched together (one adapter bank, the base in a
+slot of zeros).
 """
 
 import dataclasses
@@ -40,6 +43,8 @@ class Args:
     tp: int = 1
     """Tensor-parallel size."""
     attention: AttentionImpl = "auto"
+    lora: tuple[str, ...] = ()
+    """NAME=DIRECTORY: serve this PEFT LoRA adapter (same targets, rank and alpha for all) as model NAME."""
 
 
 def build(args: Args):
@@ -54,12 +59,26 @@ def build(args: Args):
     dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
     mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
+    name = args.model_name or os.path.basename(os.path.normpath(args.model))
+    adapters = None
+    if args.lora:
+        names, paths = zip(*(_named_adapter(spec) for spec in args.lora))
+        if len(set(names)) < len(names) or name in names:
+            raise ValueError(f"--lora names {list(names)} repeat each other or the model's name {name!r}")
+        model = eqx_tx.load_adapter_bank(model, paths, base_slot=True)
+        adapters = {name: 0} | {n: i + 1 for i, n in enumerate(names)}
     engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, max_tokens_in_cache=args.max_tokens_in_cache,
                            page_size=args.page_size, prefill_chunk=args.prefill_chunk,
                            cache_dtype=dtypes[args.kv_cache_dtype], compute=eqx_tx.ComputeConfig(attention=args.attention))
     loop = EngineLoop(engine)
-    name = args.model_name or os.path.basename(os.path.normpath(args.model))
-    return loop, build_app(loop, eqx_tx.load_tokenizer(directory), name)
+    return loop, build_app(loop, eqx_tx.load_tokenizer(directory), name, adapters)
+
+
+def _named_adapter(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not (sep and name and path):
+        raise ValueError(f"--lora {spec!r}: expected NAME=DIRECTORY")
+    return name, path
 
 
 def main(args: Args) -> None:
