@@ -176,8 +176,8 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
         config = _train_config(args, settings)
         try:
             compiled = compile_train_step(model, mesh, batch, seq_len, config)
-        except ValueError as e:  # remat="auto" with nothing that fits
-            return dict(bytes=None, phase="train_step", seconds=time.perf_counter() - start, error=str(e)[:200])
+        except ValueError as e:  # remat="auto" with nothing that fits, or a compiler error
+            return dict(bytes=None, phase="train_step", seconds=time.perf_counter() - start, error=str(e)[:2000])
         inputs = abstract_train_inputs(model, mesh, batch, seq_len, config)
         with jax.set_mesh(mesh):
             remat = remat_label(resolve_remat(*inputs, config).compute)  # (remembered: no second search)
@@ -399,7 +399,7 @@ def main(args: Args) -> None:
                 rows.append(dict(r, experiment=args.experiment_name, mode=args.mode, stage=stage, seq_len=T, batch=b,
                                  target=args.target, tp=args.tp, measure=args.measure, fits=fits))
                 tqdm.write(f"stage {stage} T={T} B={b}: "
-                           + ("failed" if r["bytes"] is None else f"{r['bytes'] / 2**30:.2f} GiB ({r['phase']})")
+                           + (f"failed: {r.get('error', '?')}" if r["bytes"] is None else f"{r['bytes'] / 2**30:.2f} GiB ({r['phase']})")
                            + ("" if fits else "  over budget"))
                 if r.get("collectives") and b == batches[0]:
                     tqdm.write(f"  collectives at B={b}: {r['collectives']}")

@@ -266,15 +266,17 @@ class Engine:
                 self._finish(request, None)
                 return
 
-    def run(self, requests: Iterable[tuple[Sequence[int], SamplingParams]], *,
+    def run(self, requests: Iterable[tuple[Sequence[int], SamplingParams]], *, n: int = 1,
             adapters: Sequence[int] | None = None) -> list[Generation]:
-        """Add every `(prompt_ids, params)` (with `adapters[i]` for a LoRA bank) and step
-        until all finish; results in order."""
+        """Add `n` samples of every `(prompt_ids, params)` (with `adapters[i]` for a LoRA
+        bank) and step until all finish. Returns the results prompt-major (the `n`
+        samples of request 0 first), as `generate(..., n=n)`."""
         requests = list(requests)
         each: list[int | None] = [None] * len(requests) if adapters is None else list(adapters)
         if len(each) != len(requests):
             raise ValueError(f"{len(each)} adapters for {len(requests)} requests")
-        ids = [self.add(prompt, params, adapter=a) for (prompt, params), a in zip(requests, each)]
+        ids = [self.add(prompt, params, sample=j, adapter=a)
+               for (prompt, params), a in zip(requests, each) for j in range(n)]
         while not all(i in self._finished for i in ids):
             self.step()
         return [self.result(i) for i in ids]

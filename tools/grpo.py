@@ -1,6 +1,9 @@
 """GRPO in one process: sample n answers per prompt with the current weights, score
 them, and take a policy-gradient step on the sampled tokens. The sampler and the
-trainer share one model in memory: no weight copies between them.
+trainer share one model in memory: no weight copies between them. Answers are
+sampled by `eqx_tx.Engine` (continuous batching over a paged KV cache: an answer
+that ends early frees its slot and pages for the next) or, with `--sampler
+generate`, by one static `generate` batch per step; both give the same tokens.
 
 With no prompts file it runs the built-in arithmetic task (`a+b=` with single-digit
 operands, reward: exact match of the sum) on a model first taught the task's format
@@ -26,7 +29,7 @@ import importlib
 import json
 import os
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
@@ -54,6 +57,10 @@ class Args:
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
+    sampler: Literal["engine", "generate"] = "engine"
+    """engine: continuous batching over a paged KV cache; generate: one static batch."""
+    engine_slots: int | None = None
+    """Sequences the engine decodes at once (default: --prompts-per-step x --n)."""
     scale_advantages: bool = True
     """GRPO: divide by the group's reward std; --no-scale-advantages: Dr. GRPO."""
     policy: Annotated[PolicyLoss, tyro.conf.OmitArgPrefixes] = PolicyLoss()
@@ -147,8 +154,20 @@ def write_svg(path: str, points: list[tuple[int, float]], evals: list[tuple[int,
 class Rollouts:
     """Sampling and scoring with the current weights."""
 
-    def __init__(self, args: Args, tokenizer, reward):
+    PAGE_SIZE = 16
+
+    def __init__(self, args: Args, tokenizer, reward, model, examples: list[dict]):
+        import eqx_tx
+        from eqx_tx.util import ceil_div
+
         self.args, self.tokenizer, self.reward = args, tokenizer, reward
+        self.engine = None
+        if args.sampler == "engine":
+            slots = args.engine_slots or args.prompts_per_step * args.n
+            longest = max(len(tokenizer.encode_prompt(e["prompt"])) for e in examples) + args.max_new_tokens
+            self.engine = eqx_tx.Engine(model, max_seqs=slots, page_size=self.PAGE_SIZE,
+                                        max_tokens_in_cache=slots * ceil_div(longest, self.PAGE_SIZE) * self.PAGE_SIZE,
+                                        prefill_rows=min(64, 1 << (slots - 1).bit_length()))
 
     def sample(self, model, examples: list[dict], seed: int):
         import numpy as np
@@ -158,7 +177,11 @@ class Rollouts:
         prompts = [self.tokenizer.encode_prompt(e["prompt"]) for e in examples]
         params = eqx_tx.SamplingParams(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
                                        top_p=self.args.top_p, seed=seed)
-        gens = eqx_tx.generate(model, prompts, params, n=self.args.n)
+        if self.engine is None:
+            gens = eqx_tx.generate(model, prompts, params, n=self.args.n)
+        else:  # the same tokens as generate (each request's own seed stream and positions)
+            self.engine.set_model(model)
+            gens = self.engine.run([(p, params) for p in prompts], n=self.args.n)
         texts = [self.tokenizer.decode(g.tokens[:-1] if g.stop_reason == "stop" else g.tokens) for g in gens]
         rewards = np.array([float(self.reward(t, examples[i // self.args.n])) for i, t in enumerate(texts)])
         return prompts, gens, rewards.reshape(len(examples), self.args.n)
@@ -207,7 +230,7 @@ def main(args: Args) -> None:
     if os.path.isfile(metrics_path):  # keep the steps before `start` (resume), drop any after
         with open(metrics_path) as f:
             history = [r for r in map(json.loads, f) if r["step"] < start]
-    rollouts = Rollouts(args, tokenizer, reward)
+    rollouts = Rollouts(args, tokenizer, reward, state.model, examples + eval_set)
 
     def evaluate(step):
         _, _, r = rollouts.sample(state.model, eval_set, seed=10**6 + step)
