@@ -23,10 +23,9 @@ A finished request's slot and pages go to the next waiting request at once (its
 full pages stay cached until the space is needed). With a LoRA adapter bank
 (`apply_lora(..., adapters=n)`) each request names its adapter, rows of one batch
 use different adapters, and cached pages are shared only between requests of the
-same adapter. Each request's tokens and
-log-probs equal `generate` on that request alone: the sampler draws token `i` with
-the request's own key (`SamplingParams.seed`), and attention reads exactly the
-request's own positions.
+same adapter. Each request's tokens and log-probs equal `generate` on that
+request alone: the sampler draws token `i` with the request's own key
+(`SamplingParams.seed`), and attention reads exactly the request's own positions.
 """
 
 import collections
@@ -205,12 +204,13 @@ class Engine:
 
     def set_model(self, model: CausalLM) -> None:
         """Sample from new weights from now on (e.g. after a training step: the arrays
-        are used as they are, not copied). `model` must have the same structure,
-        shapes and sharding as the engine's (same config, same adapters), and the engine
-        must be idle: a running request's keys/values came from the old weights. The
-        prefix cache is emptied for the same reason."""
+        are used as they are, not copied). `model` must have the engine's structure
+        and shapes (same config, same adapters), and the engine must be idle: a
+        running request's keys/values came from the old weights. The prefix cache is
+        emptied for the same reason."""
         if self.has_work():
             raise ValueError("set_model while requests are waiting or running: their keys/values would mix weights")
+
         def signature(m):
             leaves, treedef = jax.tree.flatten(m)
             return treedef, [(x.shape, x.dtype) if eqx.is_array(x) else x for x in leaves]
@@ -231,7 +231,8 @@ class Engine:
         never hold (longer than `max_seq_len`, or needing more pages than the pool) or
         a missing or unknown adapter."""
         [prompt], [params] = _check_requests(self.model.config, [prompt_ids], [params], 1, None)
-        check_adapter_ids(self.model, None if adapter is None else np.asarray([adapter]), 1, name="adapter")
+        if self._bank or adapter is not None:
+            check_adapter_ids(self.model, None if adapter is None else np.asarray([adapter]), 1, name="adapter")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_seq_len:
             raise ValueError(f"request needs {len(prompt)} prompt + {params.max_new_tokens} new tokens = {total}, "
