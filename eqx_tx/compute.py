@@ -55,11 +55,6 @@ class ComputeConfig:
     sequence_parallel: bool = False
     """Shard the activations between blocks over the sequence on the `tp` axis
     (Megatron-style sequence parallelism)."""
-    decode_unroll: int = 1
-    """Layers per iteration of the layer scan in a one-token decode step (the
-    scan is unrolled by this factor: fewer loop iterations, and each layer's
-    weights read in place; compile time grows with it). Training and prefill keep
-    one layer per iteration."""
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
@@ -73,8 +68,6 @@ class ComputeConfig:
             raise ValueError(f"remat_names {sorted(unknown)} unknown; choose from {CHECKPOINT_NAMES}")
         if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
             raise ValueError(f"memory_budget_gib must be positive, got {self.memory_budget_gib}")
-        if self.decode_unroll < 1:
-            raise ValueError(f"decode_unroll must be >= 1, got {self.decode_unroll}")
         if (self.block_q is not None and self.block_q < 1) or (self.block_kv is not None and self.block_kv < 1):
             raise ValueError(f"block sizes must be positive, got {self.block_q}, {self.block_kv}")
 

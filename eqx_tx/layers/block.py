@@ -134,9 +134,7 @@ def run_stack(
         # with the forward pass across iterations, and the CSE barriers would only
         # block fusions inside the layer.
         body = eqx.filter_checkpoint(body, policy=compute.checkpoint_policy(), prevent_cse=False)
-    decode = cache is not None and x.shape[1] == 1
     out, _ = jax.lax.scan(
-        body, BlockOutput(constrain(x, axes), cache, stats), (params, jnp.arange(stack_length(layers))),
-        unroll=compute.decode_unroll if decode else 1,
+        body, BlockOutput(constrain(x, axes), cache, stats), (params, jnp.arange(stack_length(layers)))
     )
     return out
