@@ -3,6 +3,9 @@
 Times one sampling step (`sample_batch`: filter, draw, log-probabilities) on random
 logits at Qwen3's vocabulary, next to a greedy step (argmax) and the sort-based
 reference (`filter_logits` per row), medians of repeats, interleaved in one process.
+Then the whole decode step of `generate` (the benchmark_speed model: hidden 512, 8
+layers, tied head at the same vocabulary), greedy vs top-k/top-p: a step is the time of
+`decode_tokens` new tokens less the time of one, over `decode_tokens - 1`.
 
     python benchmarks/benchmark_sampling.py
 """
@@ -16,8 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import tyro
 
+import eqx_tx
+from eqx_tx.forward import init_model
+from eqx_tx.host_memory import reexec_with_retaining_malloc
 from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_batch, sample_token
 
 
@@ -29,6 +36,9 @@ class Args:
     top_k: int = 20
     top_p: float = 0.95
     temperature: float = 0.7
+    decode_tokens: int = 64
+    decode_repeats: int = 7
+    """Repeats of the whole-decode-step comparison (0: skip it)."""
 
 
 def _sort_based(logits, sampler, index):
@@ -62,7 +72,46 @@ def main(args: Args) -> None:
                 times[name].append(time.perf_counter() - t)
         g, f, s = (statistics.median(times[k]) * 1e3 for k in ("greedy", "fast", "sort"))
         print(f"| {B} | {g:.2f} | {f:.2f} | {s:.2f} | {f / g:.2f}x | {f / s:.2f}x |")
+    if args.decode_repeats:
+        decode_steps(args)
+
+
+def _median_times(fns: dict, repeats: int) -> dict[str, float]:
+    """Warm each callable up, then time them interleaved; medians in seconds."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def decode_steps(args: Args) -> None:
+    config = eqx_tx.Qwen3Config(vocab_size=args.vocab, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                max_position_embeddings=4096, tie_word_embeddings=True)
+    model = init_model(config, key=jax.random.key(0))
+    sampled = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=1)
+    n = args.decode_tokens
+    print(f"\nThe whole decode step of generate (hidden 512, 8 layers, tied head, V={args.vocab}; {n} tokens after "
+          f"128), median of {args.decode_repeats} (ms)")
+    print("| batch | greedy step | top-k/top-p step | top-k/top-p / greedy |")
+    print("|---|---|---|---|")
+    for B in args.batches:
+        prompts = np.random.default_rng(B).integers(0, args.vocab, (B, 128)).tolist()
+        fns = {}
+        for label, kw in (("greedy", {}), ("sampled", sampled)):
+            for tokens in (n, 1):
+                params = SamplingParams(max_new_tokens=tokens, stop_token_ids=(), **kw)
+                fns[f"{label}_{tokens}"] = lambda p=params: eqx_tx.generate(model, prompts, p)
+        t = _median_times(fns, args.decode_repeats)
+        g, f = ((t[f"{w}_{n}"] - t[f"{w}_1"]) / (n - 1) * 1e3 for w in ("greedy", "sampled"))
+        print(f"| {B} | {g:.2f} | {f:.2f} | {f / g:.2f}x |")
 
 
 if __name__ == "__main__":
+    reexec_with_retaining_malloc()
     main(tyro.cli(Args))
