@@ -155,6 +155,7 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 class _Choice:
     """One sample's progress: tokens, text so far, and where a stop string cut it."""
 
+    decode: Callable[[int], str]  # the text each new token adds (`Tokenizer.decode_stream`)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     text: str = ""
@@ -169,7 +170,8 @@ class _Job:
                  stop: list[str], adapter: int | None):
         self.loop, self.tokenizer, self.stop = loop, tokenizer, stop
         self.prompt = prompt
-        self.choices = [_Choice() for _ in range(n)]
+        self.choices = [_Choice(tokenizer.decode_stream()) for _ in range(n)]
+        self._longest_stop = max(map(len, stop), default=0)
         self.ids: list[int | None] = [None] * n
         self._events: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
@@ -206,8 +208,11 @@ class _Job:
             return j
         choice.tokens.append(event.token)
         choice.logprobs.append(event.logprob)
-        choice.text = self.tokenizer.decode(choice.tokens)
-        cut = min((i for i in (choice.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        # Only the new text is decoded, and only where a stop string may now end is
+        # searched: constant work per token, however long the answer.
+        start = max(0, len(choice.text) - self._longest_stop + 1)
+        choice.text += choice.decode(event.token)
+        cut = min((i for i in (choice.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             choice.text, choice.finish_reason = choice.text[:cut], "stop"
             request_id = self.ids[j]

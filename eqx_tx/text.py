@@ -7,10 +7,11 @@ defaults of `generation_config.json`, as Hugging Face does.
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tokenizers
+import tokenizers.decoders
 
 from .chat import Message, render_chat
 from .sampling import SamplingParams
@@ -117,6 +118,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> Callable[[int], str]:
+        """An incremental decoder: call it with each new token id; it returns the text
+        that token completes (`""` while a character's bytes are still arriving), so the
+        pieces join into `decode` of all the ids, at a constant cost per token."""
+        stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token: stream.step(self.tokenizer, token) or ""
 
     def sampling_defaults(self, *, max_new_tokens: int = 128) -> SamplingParams | None:
         """The checkpoint's sampling defaults (`None` without `generation_config.json`)."""

@@ -165,3 +165,24 @@ def test_sample_tool_prints_and_overrides_the_defaults(tiny_chat_model, tmp_path
     assert ("sampling: max_new_tokens=9 (generation_config.json), temperature=0.7 (generation_config.json), "
             "top_k=3 (flag), top_p=0.9 (generation_config.json), stop_token_ids=(2,) (generation_config.json)") in err
     assert "<|im_start|>user\nOnce upon a time there was a cat.<|im_end|>\n<|im_start|>assistant\n" in out
+
+
+def test_decode_stream_pieces_join_to_the_whole_decode(tmp_path):
+    """`Tokenizer.decode_stream` (the server's per-token text) equals `decode` of every
+    id so far after each token, across multi-byte characters split over tokens and
+    special tokens (skipped)."""
+    tokenizer = eqx_tx.load_tokenizer(_directory(tmp_path, "qwen3"))
+    text = "Héllo, naïve café — 日本語のテキスト 🙂🙂! <|im_end|> Once upon a time… ÿ"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # several tokens per word: characters split over tokens
+    step, joined = tokenizer.decode_stream(), ""
+    pending, waited = 0, 0
+    for i, token in enumerate(ids):
+        piece = step(token)
+        joined += piece
+        pending = 0 if piece else pending + 1
+        waited += pending == 1
+        if not pending:
+            assert joined == tokenizer.decode(ids[: i + 1]), i
+    assert joined == tokenizer.decode(ids) and pending == 0
+    assert waited  # some token ended inside a character: its text came with the next one
