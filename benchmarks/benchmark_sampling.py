@@ -12,8 +12,6 @@ layers, tied head at the same vocabulary), greedy vs top-k/top-p: a step is the 
 
 import dataclasses
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -26,6 +24,7 @@ import eqx_tx
 from eqx_tx.forward import init_model
 from eqx_tx.host_memory import reexec_with_retaining_malloc
 from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_batch, sample_token
+from timing import median_times
 
 
 @dataclasses.dataclass
@@ -60,33 +59,14 @@ def main(args: Args) -> None:
         topkp = SamplerArrays.from_params([SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                                           top_p=args.top_p, seed=i) for i in range(B)],
                                           (), args.vocab)
-        fns = {"greedy": (jax.jit(sample_batch), greedy), "fast": (jax.jit(sample_batch), topkp),
-               "sort": (jax.jit(_sort_based), topkp)}
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for fn, sampler in fns.values():
-            jax.block_until_ready(fn(logits, sampler, index))
-        for _ in range(args.repeats):  # interleaved
-            for name, (fn, sampler) in fns.items():
-                t = time.perf_counter()
-                jax.block_until_ready(fn(logits, sampler, index))
-                times[name].append(time.perf_counter() - t)
-        g, f, s = (statistics.median(times[k]) * 1e3 for k in ("greedy", "fast", "sort"))
+        steps = {"greedy": (jax.jit(sample_batch), greedy), "fast": (jax.jit(sample_batch), topkp),
+                 "sort": (jax.jit(_sort_based), topkp)}
+        t = median_times({name: lambda fn=fn, sampler=sampler: jax.block_until_ready(fn(logits, sampler, index))
+                          for name, (fn, sampler) in steps.items()}, args.repeats)
+        g, f, s = (t[k] * 1e3 for k in ("greedy", "fast", "sort"))
         print(f"| {B} | {g:.2f} | {f:.2f} | {s:.2f} | {f / g:.2f}x | {f / s:.2f}x |")
     if args.decode_repeats:
         decode_steps(args)
-
-
-def _median_times(fns: dict, repeats: int) -> dict[str, float]:
-    """Warm each callable up, then time them interleaved; medians in seconds."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def decode_steps(args: Args) -> None:
@@ -107,7 +87,7 @@ def decode_steps(args: Args) -> None:
             for tokens in (n, 1):
                 params = SamplingParams(max_new_tokens=tokens, stop_token_ids=(), **kw)
                 fns[f"{label}_{tokens}"] = lambda p=params: eqx_tx.generate(model, prompts, p)
-        t = _median_times(fns, args.decode_repeats)
+        t = median_times(fns, args.decode_repeats)
         g, f = ((t[f"{w}_{n}"] - t[f"{w}_1"]) / (n - 1) * 1e3 for w in ("greedy", "sampled"))
         print(f"| {B} | {g:.2f} | {f:.2f} | {f / g:.2f}x |")
 

@@ -25,7 +25,6 @@ share; `EQX_TX_SYSTEM_MALLOC=1` runs with glibc's defaults instead.
 
 import dataclasses
 import os
-import statistics
 import tempfile
 import time
 
@@ -42,6 +41,7 @@ from eqx_tx.host_memory import reexec_with_retaining_malloc, retaining_malloc_ac
 from eqx_tx.models.transformer import new_cache
 from eqx_tx.sampling import SamplingParams
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
+from timing import median_times
 
 SAMPLED = dict(temperature=0.7, top_k=20, top_p=0.95)
 
@@ -64,25 +64,12 @@ class Args:
     skip_train: bool = False
 
 
-def _median_times(fns: dict, repeats: int) -> dict[str, float]:
-    """Warm up each callable, then time them interleaved; medians in seconds."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def bandwidth_gbs(repeats: int) -> float:
     """Streaming read bandwidth: the best of numpy and jax sums of a 256 MiB array."""
     host = np.ones(64 * 2**20, np.float32)
     device = jnp.asarray(host)
     total = jax.jit(jnp.sum)
-    t = _median_times({"numpy": lambda: host.sum(), "jax": lambda: total(device).block_until_ready()}, 3 * repeats)
+    t = median_times({"numpy": lambda: host.sum(), "jax": lambda: total(device).block_until_ready()}, 3 * repeats)
     return host.nbytes / min(t.values()) / 1e9
 
 
@@ -94,7 +81,7 @@ def matmul_peak_gflops(cfg, tokens: int, repeats: int) -> float:
     flops, seconds = 0, 0.0
     for m, k, n in shapes:
         a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
-        t = _median_times({"dot": lambda: dot(a, b).block_until_ready()}, 3 * repeats)["dot"]
+        t = median_times({"dot": lambda: dot(a, b).block_until_ready()}, 3 * repeats)["dot"]
         flops += 2 * m * k * n
         seconds += t
     return flops / seconds / 1e9
@@ -162,7 +149,7 @@ def measure(path: str, cfg, args: Args, rng) -> list[tuple]:
                 hf.gradient_checkpointing_enable()
             else:
                 hf.gradient_checkpointing_disable()
-            t = _median_times({"eqx": eqx_step, "hf": hf_step}, args.repeats)
+            t = median_times({"eqx": eqx_step, "hf": hf_step}, args.repeats)
             partner = "HF gradient checkpointing" if checkpointing else "HF eager"
             rows.append((f"train remat={remat} tokens/s (vs {partner})", B * T / t["eqx"], B * T / t["hf"], "tok/s",
                          ("MFU", train_flops(cfg, B, T) / t["eqx"] / 1e9, train_flops(cfg, B, T) / t["hf"] / 1e9)))
@@ -188,7 +175,7 @@ def measure(path: str, cfg, args: Args, rng) -> list[tuple]:
     t0 = time.perf_counter()
     eqx_prefill()
     compile_s = time.perf_counter() - t0
-    t = _median_times({"eqx": eqx_prefill, "hf": hf_prefill}, args.repeats)
+    t = median_times({"eqx": eqx_prefill, "hf": hf_prefill}, args.repeats)
     flops = prefill_flops(cfg, B, T)
     rows.append((f"time to first token, {B} x {T} prompts (ms)", 1e3 * t["eqx"], 1e3 * t["hf"], "ms",
                  ("MFU", flops / t["eqx"] / 1e9, flops / t["hf"] / 1e9)))
@@ -206,7 +193,7 @@ def measure(path: str, cfg, args: Args, rng) -> list[tuple]:
                     hf.generate(prompt_t, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
                                 do_sample=bool(sampling), **sampling)
 
-            t = _median_times({"eqx_full": lambda: generate(ours, prompts.tolist(), full),
+            t = median_times({"eqx_full": lambda: generate(ours, prompts.tolist(), full),
                                "eqx_one": lambda: generate(ours, prompts.tolist(), one),
                                "hf_full": lambda: hf_gen(args.decode_tokens), "hf_one": lambda: hf_gen(1)},
                               args.repeats)

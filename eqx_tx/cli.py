@@ -31,3 +31,28 @@ def run_tool(main: Callable[[A], object], args_type: type[A]) -> None:
             raise
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_output_dir(output_dir: str, *, resume: bool, overwrite: bool) -> None:
+    """Raise unless `--resume` / `--overwrite` agree with what `output_dir` holds: a
+    run's files are never replaced or mixed with a new run's by accident."""
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one")
+    existing = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    if existing and not (resume or overwrite):
+        raise ValueError(
+            f"--output-dir {output_dir} is not empty ({', '.join(existing[:5])}); pass --resume to continue "
+            "the run there or --overwrite to replace it"
+        )
+
+
+def check_resume(checkpoint_dir: str, settings: dict) -> None:
+    """Raise if the newest checkpoint in `checkpoint_dir` was saved by a run with other
+    `settings` (JSON values, compared with its metadata): `--resume` continues a run, it
+    does not start a different one from its weights."""
+    from .checkpoint import read_metadata
+
+    meta = read_metadata(checkpoint_dir)
+    changed = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}
+    if changed:
+        raise ValueError(f"--resume with different settings than the checkpoint (saved, given): {changed}")

@@ -3,11 +3,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Eight fake CPU devices for the meshes. The suite compiles hundreds of small programs
-# and runs each a few times, so XLA:CPU's LLVM backend runs at -O0: compiles take about
-# a third less time (the same HLO; the benchmarks keep the default level).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0")
+from tests.tools_util import TEST_XLA_FLAGS  # noqa: E402 (numpy only: before jax starts)
+
+# Eight fake CPU devices for the meshes, and fast compiles (`TEST_XLA_FLAGS`).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -44,6 +44,8 @@ def test_grpo_raises_the_reward_across_a_resume(warm_start, tmp_path, capsys):
     assert evals[-1] > evals[0] + 0.05, evals
     assert all(0.0 <= r["clip_fraction"] <= 1.0 and np.isfinite(r["loss"]) for r in rows if "reward" in r)
     assert os.path.isfile(out / "reward.svg") and os.path.isfile(out / "final" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"different settings than the checkpoint .*'n': \(8, 4\)"):
+        grpo.main(grpo.Args(**dict(settings, n=4), resume=True))
 
 
 def test_grpo_refuses_bad_arguments(warm_start, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from eqx_tx.checkpoint import IncompleteCheckpointError, latest_checkpoint, read_metadata
-from tests.tools_util import write_token_ids
+from tests.tools_util import TEST_XLA_FLAGS, write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -22,7 +22,8 @@ TOOLS = os.path.join(ROOT, "tools")
 
 def _env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}")
     return env
 
 

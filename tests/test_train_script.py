@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from eqx_tx.checkpoint import read_metadata
-from tests.tools_util import load_tool, tool_args, write_token_ids
+from tests.tools_util import TEST_XLA_FLAGS, load_tool, tool_args, write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tools", "train.py")
@@ -26,7 +26,7 @@ def token_data(tmp_path_factory):
 
 
 def _run(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS="")  # one CPU device
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=TEST_XLA_FLAGS)  # one CPU device
     result = subprocess.run([sys.executable, TRAIN, "--no-progress", *args], capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

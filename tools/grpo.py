@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from eqx_tx.cli import run_tool
+from eqx_tx.cli import check_output_dir, check_resume, run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.policy import PolicyLoss
 from eqx_tx.training import OptimizerConfig
@@ -121,12 +121,16 @@ def _check(args: Args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.n < 2:
         raise ValueError("--n must be >= 2: advantages compare the answers to one prompt")
-    if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one")
-    existing = sorted(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else []
-    if existing and not (args.resume or args.overwrite):
-        raise ValueError(f"--output-dir {args.output_dir} is not empty ({', '.join(existing[:5])}); pass --resume "
-                         "or --overwrite")
+    check_output_dir(args.output_dir, resume=args.resume, overwrite=args.overwrite)
+
+
+def _run_metadata(args: Args) -> dict:
+    """What a `--resume` must share with the checkpoint it continues (JSON values)."""
+    prompts = args.prompts if args.prompts == "arithmetic" else os.path.abspath(args.prompts)
+    return {"model": args.model, "prompts": prompts, "reward": args.reward, "n": args.n,
+            "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "top_p": args.top_p, "lora_rank": args.lora_rank,
+            "policy": dataclasses.asdict(args.policy), "seed": args.seed}
 
 
 def write_svg(path: str, points: list[tuple[int, float]], evals: list[tuple[int, float]]) -> None:
@@ -223,6 +227,7 @@ def main(args: Args) -> None:
     checkpoint_dir = os.path.join(args.output_dir, "checkpoint")
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if args.resume:
+        check_resume(checkpoint_dir, _run_metadata(args))
         state, meta = restore_checkpoint(checkpoint_dir, state)
         print(f"resumed from {checkpoint_dir} at step {meta['step']}")
     start = int(state.step)
@@ -270,7 +275,7 @@ def main(args: Args) -> None:
                   f"kl {row.get('kl', 0.0):.4f} sampled tokens/s {row['sampled_tokens_per_s']:,.0f}")
         stopping = args.stop_after is not None and step + 1 - start >= args.stop_after
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stopping:
-            save_checkpoint(checkpoint_dir, state, metadata={"model": args.model, "data_position": step + 1})
+            save_checkpoint(checkpoint_dir, state, metadata=dict(_run_metadata(args), data_position=step + 1))
         if stopping:
             print(f"stopped after step {step + 1}; continue with --resume")
             return

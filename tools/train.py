@@ -21,7 +21,7 @@ import tyro
 
 from eqx_tx.data import LongSequences, Packing
 from eqx_tx.distributed import DistributedArgs
-from eqx_tx.cli import run_tool
+from eqx_tx.cli import check_output_dir, check_resume, run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.training import OptimizerConfig, TrainConfig
 
@@ -96,14 +96,7 @@ def _check(args: Args) -> None:
         raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tune), got {args.lora_rank}")
     if args.lora_rank > 0 and not args.lora_alpha > 0:
         raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
-    if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one")
-    existing = sorted(os.listdir(args.output_dir)) if os.path.isdir(args.output_dir) else []
-    if existing and not (args.resume or args.overwrite):
-        raise ValueError(
-            f"--output-dir {args.output_dir} is not empty ({', '.join(existing[:5])}); pass --resume to continue "
-            "the run there or --overwrite to replace it"
-        )
+    check_output_dir(args.output_dir, resume=args.resume, overwrite=args.overwrite)
 
 
 def _source(args: Args):
@@ -245,7 +238,7 @@ def main(args: Args) -> None:
     from eqx_tx.text import Tokenizer
 
     import eqx_tx
-    from eqx_tx.checkpoint import read_metadata, restore_checkpoint
+    from eqx_tx.checkpoint import restore_checkpoint
     from eqx_tx.distributed import is_main_process
 
     eqx_tx.enable_console_logging()
@@ -269,10 +262,7 @@ def main(args: Args) -> None:
     del model
     checkpoint_dir = os.path.join(args.output_dir, "checkpoint")
     if args.resume:
-        meta = read_metadata(checkpoint_dir)
-        changed = {k: (meta.get(k), v) for k, v in _run_metadata(args).items() if meta.get(k) != v}
-        if changed:
-            raise ValueError(f"--resume with different settings than the checkpoint: {changed}")
+        check_resume(checkpoint_dir, _run_metadata(args))
         state, meta = restore_checkpoint(checkpoint_dir, state)
         if main_process:
             print(f"resumed from {checkpoint_dir} at step {meta['step']}")
