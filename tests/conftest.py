@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices, float32 matmuls, tiny HF checkpoints built locally."""
 
+import fcntl
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,13 +33,20 @@ def checkpoint(request, checkpoints):
 
 
 @pytest.fixture(scope="session")
-def trained_tiny(tmp_path_factory):
-    """The `tiny` preset trained by `tools/train.py` (shortened run): its final HF directory."""
+def trained_tiny(tmp_path_factory, worker_id):
+    """The `tiny` preset trained by `tools/train.py` (shortened run): its final HF
+    directory, read-only. Trained once per test session: xdist workers share it (the
+    first to need it trains it under a lock, the others wait for it or find it)."""
     from tests.tools_util import load_tool, tool_args
 
-    train = load_tool("train")
-    out = tmp_path_factory.mktemp("trained") / "tiny"
-    train.main(tool_args(train, output_dir=str(out), steps=40, progress=False))
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent  # the session's directory, shared by its workers
+    out = root / "trained-tiny"
+    with open(root / "trained-tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "final" / "model.safetensors").is_file():  # a worker that failed half-way left no final model
+            train = load_tool("train")
+            train.main(tool_args(train, output_dir=str(out), steps=40, progress=False, overwrite=True))
     return str(out / "final")
 
 
