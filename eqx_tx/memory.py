@@ -226,10 +226,12 @@ def compile_engine_step(
     logits = _sds((max_seqs, config.vocab_size), jnp.float32, mesh, None, "act_vocab")
     sampler = jax.eval_shape(lambda: SamplerArrays.from_params([SamplingParams()] * max_seqs, (0,), config.vocab_size))
     sampler = jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh), sampler)
+    bank = has_bank(model)  # each row's adapter, as the engine passes it
     with jax.set_mesh(mesh):
         prows = _sds((prefill_rows,), jnp.int32, mesh)
         pre = _prefill_chunk.lower(model, cache, logits, prows, _sds((prefill_rows, pages_per_seq), jnp.int32, mesh),
                                    _sds((prefill_rows, prefill_chunk), jnp.int32, mesh), prows, prows,
-                                   compute=compute)
-        dec = _decode_step.lower(model, cache, logits, rows, table, rows, rows, sampler, compute=compute)
+                                   prows if bank else None, compute=compute)
+        dec = _decode_step.lower(model, cache, logits, rows, table, rows, rows, rows if bank else None, sampler,
+                                 compute=compute)
         return {"prefill": pre.compile(), "decode": dec.compile()}

@@ -170,3 +170,26 @@ def test_set_model_samples_from_new_weights(checkpoints):
     engine.add(prompt, params)
     with pytest.raises(ValueError, match="while requests are waiting or running"):
         engine.set_model(model)
+
+
+@pytest.mark.parametrize("adapters", [None, 3])
+def test_compiled_engine_steps_read_the_weights_the_pool_and_little_else(adapters):
+    """`eqx_tx.memory.compile_engine_step` (what `benchmark_memory.py --mode engine`
+    measures) compiles the engine's own prefill and decode steps, with and without a
+    LoRA bank: their arguments are the weights, the page pool and small per-row arrays."""
+    from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_engine_step, target_mesh
+
+    config = eqx_tx.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    mesh = target_mesh("cpu", tp=1)
+    model = abstract_sharded_model(config, mesh, jax.numpy.bfloat16, lora_rank=4 if adapters else 0,
+                                   lora_adapters=adapters)
+    params = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(model))
+    S, pool_tokens = 8, 1024
+    compiled = compile_engine_step(model, mesh, max_seqs=S, pool_tokens=pool_tokens, max_seq_len=256,
+                                   prefill_chunk=64, compute=eqx_tx.ComputeConfig())
+    pool = 2 * 2 * pool_tokens * 2 * 32 * 2  # k+v, layers, tokens, kv heads, head_dim, bf16 bytes
+    logits = S * config.vocab_size * 4
+    for name, step in compiled.items():
+        extra = MemoryFigures.of(step).argument - params - pool
+        assert logits <= extra <= logits + 32 * 1024, (name, extra)
