@@ -168,7 +168,7 @@ class _Job:
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams, n: int,
                  stop: list[str], adapter: int | None):
-        self.loop, self.tokenizer, self.stop = loop, tokenizer, stop
+        self.loop, self.stop = loop, stop
         self.prompt = prompt
         self.choices = [_Choice(tokenizer.decode_stream()) for _ in range(n)]
         self._longest_stop = max(map(len, stop), default=0)

@@ -9,6 +9,7 @@ import pytest
 import eqx_tx
 from eqx_tx.engine import _decode_step
 from eqx_tx.sampling import SamplingParams
+from tests.lora_util import perturbed_adapters
 
 
 def _workload(vocab: int, seed: int):
@@ -120,11 +121,7 @@ def _bank(model, adapters: int):
     """`model` with a bank of `adapters` LoRA adapters that all differ (B randomised)."""
     bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "down_proj"),
                              adapters=adapters, key=jax.random.key(1))
-    leaves, treedef = jax.tree.flatten(bank, is_leaf=lambda x: x is None)
-    lora = set(map(id, jax.tree.leaves(eqx.filter(bank, eqx_tx.layers.lora.lora_filter(bank)))))
-    keys = iter(jax.random.split(jax.random.key(2), len(leaves)))
-    return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(next(keys), x.shape) if id(x) in lora else x
-                                        for x in leaves])
+    return perturbed_adapters(bank, jax.random.key(2))
 
 
 def test_requests_with_different_adapters_of_a_bank(checkpoints):

@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 
-import equinox as eqx
 import jax
 import numpy as np
 import openai
@@ -19,6 +18,7 @@ import uvicorn
 
 import eqx_tx
 from eqx_tx.sampling import SamplingParams
+from tests.lora_util import perturbed_adapters
 from tests.tools_util import ROOT, load_tool
 
 
@@ -47,9 +47,7 @@ def served(trained_tiny, tmp_path_factory):
     base = eqx_tx.load(directory, progress=False)
     tuned = eqx_tx.apply_lora(base, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
                               key=jax.random.key(0))
-    adapters, rest = eqx.partition(tuned, eqx_tx.layers.lora.lora_filter(tuned))
-    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
-    tuned = eqx.combine(jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), adapters), rest)
+    tuned = perturbed_adapters(tuned, jax.random.key(1))
     adapter_dir = directory.parent / "adapter"
     eqx_tx.save_adapter(tuned, adapter_dir)
     serve = load_tool("serve")

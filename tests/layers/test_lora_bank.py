@@ -11,6 +11,7 @@ import pytest
 import eqx_tx
 from eqx_tx.training import _coefficients, _loss_and_grads
 from tests.hf_utils import ragged_batch
+from tests.lora_util import perturbed_adapters
 
 ADAPTERS = 4
 ROW_ADAPTERS = np.array([2, 0, 2, 1, 0, 2])  # adapter 3 is not in the batch
@@ -22,15 +23,7 @@ def _bank(path):
     model = eqx_tx.load(path, progress=False)
     bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
                              adapters=ADAPTERS, key=jax.random.key(1))
-    adapters, rest = eqx.partition(bank, eqx_tx.layers.lora.lora_filter(bank))
-    return eqx.combine(_perturb(adapters), rest)
-
-
-@jax.jit
-def _perturb(adapters):
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    return perturbed_adapters(bank, jax.random.key(2))
 
 
 def _batch(vocab, rows=slice(None)) -> eqx_tx.Batch:
