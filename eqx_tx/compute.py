@@ -14,6 +14,9 @@ import jax
 AttentionImpl = Literal["auto", "cudnn", "blockwise", "xla"]
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 
+DecodeLayers = Literal["auto", "scan", "unrolled"]
+DECODE_LAYERS: tuple[str, ...] = get_args(DecodeLayers)
+
 RematPolicy = Literal["none", "full", "dots", "names", "offload", "auto"]
 REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
 
@@ -55,12 +58,22 @@ class ComputeConfig:
     sequence_parallel: bool = False
     """Shard the activations between blocks over the sequence on the `tp` axis
     (Megatron-style sequence parallelism)."""
+    decode_layers: DecodeLayers = "auto"
+    """How `generate`'s decode loop runs the layer stack: `scan` (one scanned layer;
+    every step slices each layer's weights out of the stacked arrays), `unrolled` (the
+    weights are sliced into per-layer buffers once per decode call, before its token
+    loop, and each step runs the layers one after another: one more copy of the layer
+    weights while decoding, and a step that compiles once per layer), or `auto`
+    (unrolled on CPU, scan elsewhere; logged once). XLA:CPU copies a layer's weights
+    out of the stack for every matmul of more than one row, on every step."""
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"unknown attention implementation {self.attention!r}; choose from {ATTENTION_IMPLEMENTATIONS}"
             )
+        if self.decode_layers not in DECODE_LAYERS:
+            raise ValueError(f"decode_layers={self.decode_layers!r}; choose from {', '.join(DECODE_LAYERS)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose from {', '.join(REMAT_POLICIES)}")
         unknown = set(self.remat_names) - set(CHECKPOINT_NAMES)

@@ -19,9 +19,12 @@ import numpy as np
 import tokenizers
 from jaxtyping import Array, Float, Int
 
+from ._log import log_once
 from .compute import ComputeConfig
 from .distributed import to_host
+from .kernels.dispatch import target_platform
 from .layers.attention import AttentionMask
+from .layers.block import unstack
 from .layers.kv_cache import Cache, KVCache, SharedPrefixCache
 from .layers.lora import check_adapter_ids, select_adapters
 from .models import CausalLM
@@ -106,6 +109,24 @@ def prefill(
     return cache, (last if full_logits else _last_token_logits(model, last))
 
 
+def _decode_layers(model: CausalLM, compute: ComputeConfig, batch: int) -> CausalLM:
+    """`model` with its layer stack as a decode loop of `batch` rows should run it:
+    per-layer blocks sliced out once, here (`unstack`), or the stack as it is
+    (`ComputeConfig.decode_layers`)."""
+    choice = compute.decode_layers
+    if choice == "auto":
+        platform = target_platform(current_mesh())
+        choice = "unrolled" if platform == "cpu" and batch > 1 else "scan"
+        why = {
+            "unrolled": "XLA:CPU would copy every layer's weights out of the stack on every step",
+            "scan": "batch 1 reads the weights in place" if platform == "cpu" else f"{platform}",
+        }[choice]
+        log_once(f"decode layers: {choice} ({why})")
+    if choice == "scan":
+        return model
+    return eqx.tree_at(lambda m: m.model.layers, model, unstack(model.model.layers))
+
+
 def _decode_one(model: CausalLM, cache: Cache, token, positions, mask: AttentionMask, compute: ComputeConfig):
     """Feed one token per sequence at `positions`; returns the cache and the next logits."""
     out = model.hidden_states(token[:, None], positions=positions[:, None], mask=mask, compute=compute, cache=cache)
@@ -124,6 +145,7 @@ def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_step
     B = state.lengths.shape[0]
     max_new = state.tokens.shape[1]
     stop_at = state.step + num_steps
+    model = _decode_layers(model, compute, B)
 
     def cond(s: DecodeState):
         return (s.step < stop_at) & jnp.any(s.done == 0) & (s.step < max_new)
@@ -391,6 +413,7 @@ def generate_text(
 @functools.partial(jax.jit, static_argnames=("chunk", "compute"))
 def _teacher_forced(model: CausalLM, cache, tokens, lengths, continuation, *, chunk: int, compute: ComputeConfig):
     cache, logits = prefill(model, cache, tokens, lengths, chunk=chunk, compute=compute)
+    model = _decode_layers(model, compute, tokens.shape[0])
 
     def step(carry, token):
         cache, position = carry

@@ -1,8 +1,11 @@
 """Generation: HF parity, chunked prefill, sampling statistics, memory, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 import torch
 
@@ -26,11 +29,13 @@ def _hf_greedy(hf, prompt, n):
     return toks, logps
 
 
-@pytest.mark.parametrize("attention", ["xla", "blockwise"])
-def test_greedy_equals_hf_generate_ragged(checkpoint, attention):
+# On CPU, decoding more than one row runs the layers unrolled (`decode_layers="auto"`);
+# "scan" is what other platforms run.
+@pytest.mark.parametrize("attention, decode_layers", [("xla", "auto"), ("blockwise", "auto"), ("xla", "scan")])
+def test_greedy_equals_hf_generate_ragged(checkpoint, attention, decode_layers):
     _, path = checkpoint
     model = eqx_tx.load(path, progress=False)
-    compute = eqx_tx.ComputeConfig(attention=attention, block_q=8, block_kv=8)
+    compute = eqx_tx.ComputeConfig(attention=attention, block_q=8, block_kv=8, decode_layers=decode_layers)
     results = generate(model, PROMPTS, SamplingParams(max_new_tokens=NEW), compute=compute)
     hf = hf_model(path)
     for prompt, r in zip(PROMPTS, results):
@@ -151,32 +156,64 @@ def test_decode_memory_is_the_cache_updated_in_place():
         state = DecodeState(cache, S((B, V), jnp.float32), S((B,), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32),
                             S((B, 64), jnp.int32), S((B, 64), jnp.float32), S((), jnp.int32))
         sampler = SamplerArrays.from_params([SamplingParams()] * B, (), V)
-        mem = decode.lower(model, state, sampler, S((), jnp.int32), compute=eqx_tx.ComputeConfig()).compile().memory_analysis()
+        scan = eqx_tx.ComputeConfig(decode_layers="scan")  # as on GPU; on CPU, auto adds a copy of the weights
+        mem = decode.lower(model, state, sampler, S((), jnp.int32), compute=scan).compile().memory_analysis()
         # The whole decode state, cache included, is updated in place (donated and aliased) ...
         assert mem.alias_size_in_bytes >= cache_bytes
         # ... and the only cache-dependent scratch is one layer's keys/values, not a second cache.
         assert mem.temp_size_in_bytes <= cache_bytes / L + 8 * B * V * 4, (B, T, mem.temp_size_in_bytes)
+    # Unrolled (CPU's choice at batch > 1): the same, plus one copy of the layer weights.
+    unrolled = eqx_tx.ComputeConfig(decode_layers="unrolled")
+    more = decode.lower(model, state, sampler, S((), jnp.int32), compute=unrolled).compile().memory_analysis()
+    layer_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(model.model.layers))
+    assert more.alias_size_in_bytes >= cache_bytes
+    assert more.temp_size_in_bytes <= cache_bytes / L + 8 * B * V * 4 + layer_bytes, more.temp_size_in_bytes
+
+
+def _compiled_decode(B: int, compute: eqx_tx.ComputeConfig) -> tuple[str, set[int]]:
+    """The compiled decode loop at batch `B` (top-k/top-p sampling), and the element
+    counts of the layer weights (the vocabulary, 4000, matches none of them)."""
+    config = eqx_tx.Qwen3Config(vocab_size=4000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = abstract_model(config, jnp.float32)
+    S = jax.ShapeDtypeStruct
+    T, V = 192, config.vocab_size
+    state = DecodeState(_abstract_cache(config, B, T), S((B, V), jnp.float32), S((B,), jnp.int32), S((B,), jnp.int32),
+                        S((B,), jnp.int32), S((B, 64), jnp.int32), S((B, 64), jnp.float32), S((), jnp.int32))
+    sampler = SamplerArrays.from_params([SamplingParams(temperature=0.7, top_k=20, top_p=0.95)] * B, (), V)
+    text = decode.lower(model, state, sampler, S((), jnp.int32), compute=compute).compile().as_text()
+    weight_sizes = {int(np.prod(a.shape[1:])) for a in jax.tree.leaves(model.model.layers) if a.ndim >= 3}
+    assert weight_sizes >= {256 * 256, 128 * 256, 768 * 256}
+    return text, weight_sizes
 
 
 def test_batch_one_decode_reads_the_layer_weights_in_place():
     """No buffer in the compiled decode step is a copy of a layer's weight: each
     projection is a matrix-vector product fused with the read of its layer's slice of
     the stacked weights (the bandwidth-bound case, where a copy would cost most)."""
-    config = eqx_tx.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    model = abstract_model(config, jnp.float32)
-    S = jax.ShapeDtypeStruct
-    B, T, V = 1, 192, config.vocab_size
-    state = DecodeState(_abstract_cache(config, B, T), S((B, V), jnp.float32), S((B,), jnp.int32), S((B,), jnp.int32),
-                        S((B,), jnp.int32), S((B, 64), jnp.int32), S((B, 64), jnp.float32), S((), jnp.int32))
-    sampler = SamplerArrays.from_params([SamplingParams(temperature=0.7, top_k=20, top_p=0.95)], (), V)
-    text = decode.lower(model, state, sampler, S((), jnp.int32), compute=eqx_tx.ComputeConfig()).compile().as_text()
-    weight_sizes = {int(np.prod(a.shape[1:])) for a in jax.tree.leaves(model.model.layers) if a.ndim >= 3}
-    assert weight_sizes >= {256 * 256, 128 * 256, 768 * 256}
+    text, weight_sizes = _compiled_decode(1, eqx_tx.ComputeConfig())
     buffers = materialized(text)
     assert any(b.op == "fusion" for b in buffers)  # the parser sees the step's kernels
     copies = [b for b in buffers if int(np.prod(b.shape)) in weight_sizes]
     assert not copies, copies
+
+
+def test_batched_decode_copies_the_layer_weights_once_per_call_not_per_step():
+    """At batch 16 on CPU (`decode_layers="auto"`: unrolled), each layer weight is
+    sliced out of the stack once, before the token loop, and no step copies any.
+    Scanning the stack instead (`"scan"`) copies every layer's weights inside the loop,
+    on every step (XLA:CPU's matmul of more than one row wants its own buffer)."""
+    n_weights = 4 * 7  # layers x (q, k, v, o, gate, up, down)
+    text, weight_sizes = _compiled_decode(16, eqx_tx.ComputeConfig())
+    entry = re.search(r"^ENTRY %([\w.\-]+) ", text, re.M).group(1)
+    copies = [b for b in materialized(text) if int(np.prod(b.shape)) in weight_sizes]
+    assert [b for b in copies if b.computation != entry] == []
+    assert len(copies) == n_weights, copies
+
+    text, weight_sizes = _compiled_decode(16, eqx_tx.ComputeConfig(decode_layers="scan"))
+    entry = re.search(r"^ENTRY %([\w.\-]+) ", text, re.M).group(1)
+    in_loop = [b for b in materialized(text) if int(np.prod(b.shape)) in weight_sizes and b.computation != entry]
+    assert len(in_loop) >= 7, in_loop
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,15 @@ def stack_length(stacked: eqx.Module) -> int:
     return jax.tree.leaves(eqx.filter(stacked, eqx.is_array))[0].shape[0]
 
 
+def unstack(stacked: DecoderBlock) -> tuple[DecoderBlock, ...]:
+    """The stacked blocks as one block per layer, each array sliced out of the stack
+    (a copy of the layer weights: under `jit`, one buffer per layer)."""
+    params, static = eqx.partition(stacked, eqx.is_array)
+    return tuple(
+        eqx.combine(jax.tree.map(lambda a: a[i], params), static) for i in range(stack_length(stacked))
+    )
+
+
 def activation_axes(compute: ComputeConfig) -> tuple[str, str, str]:
     """Logical axes of the hidden states between blocks.
 
@@ -96,7 +105,7 @@ def activation_axes(compute: ComputeConfig) -> tuple[str, str, str]:
 
 
 def run_stack(
-    layers: DecoderBlock,
+    layers: DecoderBlock | tuple[DecoderBlock, ...],
     x: Float[Array, "batch seq embed"],
     *,
     cos: Float[Array, "batch seq head_dim"],
@@ -115,19 +124,30 @@ def run_stack(
     models, the router statistics summed over layers, starting from `stats`).
     Returning per-layer outputs or parameters would make XLA keep a second stacked
     copy.
+
+    A tuple of per-layer blocks (`unstack`) runs unrolled, one block after another
+    (decoding on CPU: see `ComputeConfig.decode_layers`).
     """
-    params, static = eqx.partition(layers, eqx.is_array)
     axes = activation_axes(compute)
 
-    def body(carry: BlockOutput, xs):
-        layer_params, index = xs
-        block = eqx.combine(layer_params, static)
-        out = block(checkpoint_name(carry.hidden, LAYER_INPUT), cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=carry.cache,
-                    layer=index, positions=positions)
+    def apply(carry: BlockOutput, block: DecoderBlock, index: Int[Array, ""]) -> BlockOutput:
+        out = block(checkpoint_name(carry.hidden, LAYER_INPUT), cos=cos, sin=sin, mask=mask, compute=compute,
+                    mesh=mesh, cache=carry.cache, layer=index, positions=positions)
         total = carry.router_stats
         if total is not None and out.router_stats is not None:
             total = total + out.router_stats
-        return BlockOutput(constrain(out.hidden, axes), out.cache, total), None
+        return BlockOutput(constrain(out.hidden, axes), out.cache, total)
+
+    if isinstance(layers, tuple):
+        out = BlockOutput(constrain(x, axes), cache, stats)
+        for index, block in enumerate(layers):
+            out = apply(out, block, jnp.asarray(index, jnp.int32))
+        return out
+    params, static = eqx.partition(layers, eqx.is_array)
+
+    def body(carry: BlockOutput, xs):
+        layer_params, index = xs
+        return apply(carry, eqx.combine(layer_params, static), index), None
 
     if cache is None and compute.remat != "none":
         # prevent_cse=False: the scan already stops XLA from merging the recomputation
