@@ -37,6 +37,9 @@ class TokenScores(NamedTuple):
     """float32 entropy of each next-token distribution (`None` unless asked for)."""
     router_stats: RouterStats | None
     """MoE models: the router statistics of all layers (else `None`)."""
+    weighted_sum: Float[Array, ""] | None = None
+    """`sum(token_weights * logprobs)` when `token_weights` were given (else `None`),
+    differentiated without a second pass over the vocabulary (see `chunked_scores`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,63 +75,103 @@ def _slice(x, i, c):
     return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=2)
 
 
-def _forward(hidden, weight, targets, chunking: _Chunking):
-    """Per token: target log-prob, logsumexp, and entropy (zeros unless asked for)."""
+def _head_grads(h_bocd, weight_vd, d_logits_bocv, wanted=(True, True)):
+    """The hidden-state gradient of one chunk and its share of the head-weight
+    gradient (each `None` unless `wanted`)."""
+    d_h = jnp.einsum("bocv,vd->bocd", d_logits_bocv.astype(weight_vd.dtype), weight_vd,
+                     preferred_element_type=jnp.float32) if wanted[0] else None
+    d_w = jnp.einsum("bocv,bocd->vd", d_logits_bocv.astype(h_bocd.dtype), h_bocd,
+                     preferred_element_type=jnp.float32) if wanted[1] else None
+    return d_h, d_w
+
+
+def _forward(hidden, weight, targets, token_weights, chunking: _Chunking, wanted=(False, False)):
+    """Per token: target log-prob, logsumexp, and entropy (zeros unless asked for).
+
+    With `token_weights`, also the gradients of `sum(token_weights * logp)` with
+    respect to `hidden` and `weight` (each where `wanted`, else `None`), from the
+    same logits: the backward pass of a loss linear in the log-probabilities then
+    needs no second pass over the vocabulary."""
     c = chunking.positions
+    wanted = wanted if token_weights is not None else (False, False)
 
     def chunk(i, carry):
-        logits = _chunk_logits(_slice(hidden, i, c), weight)
+        scores, (d_hidden, d_weight) = carry
+        h = _slice(hidden, i, c)
+        logits = _chunk_logits(h, weight)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt, _ = _target_logit(logits, _slice(targets, i, c))
+        tgt, hit = _target_logit(logits, _slice(targets, i, c))
         ent = _entropy(logits, lse) if chunking.entropy else jnp.zeros_like(lse)
-        return tuple(jax.lax.dynamic_update_slice_in_dim(acc, x, i * c, axis=2)
-                     for acc, x in zip(carry, (tgt - lse, lse, ent)))
+        scores = tuple(jax.lax.dynamic_update_slice_in_dim(acc, x, i * c, axis=2)
+                       for acc, x in zip(scores, (tgt - lse, lse, ent)))
+        if any(wanted):
+            w = _slice(token_weights, i, c)[..., None]
+            d_logits = w * (hit.astype(jnp.float32) - jnp.exp(logits - lse[..., None]))
+            d_h, d_w = _head_grads(h, weight, d_logits, wanted)
+            if d_h is not None:
+                d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
+            if d_w is not None:
+                d_weight = d_weight + d_w
+        return scores, (d_hidden, d_weight)
 
-    init = tuple(jnp.zeros(targets.shape, jnp.float32) for _ in range(3))
-    return jax.lax.fori_loop(0, chunking.num_chunks, chunk, init)
+    scores = tuple(jnp.zeros(targets.shape, jnp.float32) for _ in range(3))
+    grads = (jnp.zeros(hidden.shape, hidden.dtype) if wanted[0] else None,
+             jnp.zeros(weight.shape, jnp.float32) if wanted[1] else None)
+    (logp, lse, ent), (d_hidden, d_weight) = jax.lax.fori_loop(0, chunking.num_chunks, chunk, (scores, grads))
+    return logp, lse, ent, (d_hidden, None if d_weight is None else d_weight.astype(weight.dtype))
+
+
+def _weighted_sum(logp, token_weights):
+    return jnp.zeros((), jnp.float32) if token_weights is None else jnp.sum(token_weights * logp)
 
 
 @eqx.filter_custom_vjp
-def _chunked_logprobs(hidden_weight, targets, chunking):
+def _chunked_logprobs(hidden_weight, targets, token_weights, chunking):
     hidden, weight = hidden_weight
-    logp, _, ent = _forward(hidden, weight, targets, chunking)
-    return logp, ent
+    logp, _, ent, _ = _forward(hidden, weight, targets, token_weights, chunking)
+    return logp, ent, _weighted_sum(logp, token_weights)
 
 
 @_chunked_logprobs.def_fwd
-def _chunked_logprobs_fwd(perturbed, hidden_weight, targets, chunking):
+def _chunked_logprobs_fwd(perturbed, hidden_weight, targets, token_weights, chunking):
     hidden, weight = hidden_weight
-    logp, lse, ent = _forward(hidden, weight, targets, chunking)
-    return (logp, ent), (lse, ent)
+    logp, lse, ent, grads = _forward(hidden, weight, targets, token_weights, chunking, wanted=tuple(perturbed))
+    return (logp, ent, _weighted_sum(logp, token_weights)), (lse, ent, grads)
 
 
 @_chunked_logprobs.def_bwd
-def _chunked_logprobs_bwd(residuals, g, perturbed, hidden_weight, targets, chunking):
+def _chunked_logprobs_bwd(residuals, g, perturbed, hidden_weight, targets, token_weights, chunking):
     hidden, weight = hidden_weight
-    lse, ent = residuals
-    g_logp, g_ent = (jnp.zeros_like(lse) if x is None else x for x in g)
-    c = chunking.positions
+    lse, ent, fused = residuals
+    g_logp, g_ent, g_sum = g
+    d_hidden = jnp.zeros(hidden.shape, hidden.dtype)
+    d_weight = jnp.zeros(weight.shape, jnp.float32)
+    if g_logp is not None or g_ent is not None:  # per-token cotangents: a second pass over the vocabulary
+        g_logp, g_ent = (jnp.zeros_like(lse) if x is None else x for x in (g_logp, g_ent))
+        c = chunking.positions
 
-    def chunk(i, carry):
-        d_hidden, d_weight = carry
-        h = _slice(hidden, i, c)
-        g_c, lse_c = _slice(g_logp, i, c)[..., None], _slice(lse, i, c)[..., None]
-        logits = _chunk_logits(h, weight)
-        _, hit = _target_logit(logits, _slice(targets, i, c))
-        p = jnp.exp(logits - lse_c)
-        # d logp / d logits = onehot(target) - p;  d entropy / d logits = -p * (log p + entropy)
-        d_logits = g_c * (hit.astype(jnp.float32) - p)
-        if chunking.entropy:
-            d_logits = d_logits - _slice(g_ent, i, c)[..., None] * p * (logits - lse_c + _slice(ent, i, c)[..., None])
-        d_h = jnp.einsum("bocv,vd->bocd", d_logits.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
-        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
-        d_weight = d_weight + jnp.einsum(
-            "bocv,bocd->vd", d_logits.astype(hidden.dtype), h, preferred_element_type=jnp.float32
-        )
-        return d_hidden, d_weight
+        def chunk(i, carry):
+            d_hidden, d_weight = carry
+            h = _slice(hidden, i, c)
+            g_c, lse_c = _slice(g_logp, i, c)[..., None], _slice(lse, i, c)[..., None]
+            logits = _chunk_logits(h, weight)
+            _, hit = _target_logit(logits, _slice(targets, i, c))
+            p = jnp.exp(logits - lse_c)
+            # d logp / d logits = onehot(target) - p;  d entropy / d logits = -p * (log p + entropy)
+            d_logits = g_c * (hit.astype(jnp.float32) - p)
+            if chunking.entropy:
+                d_logits = d_logits - _slice(g_ent, i, c)[..., None] * p * (logits - lse_c + _slice(ent, i, c)[..., None])
+            d_h, d_w = _head_grads(h, weight, d_logits)
+            assert d_h is not None and d_w is not None
+            d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
+            return d_hidden, d_weight + d_w
 
-    init = (jnp.zeros(hidden.shape, hidden.dtype), jnp.zeros(weight.shape, jnp.float32))
-    d_hidden, d_weight = jax.lax.fori_loop(0, chunking.num_chunks, chunk, init)
+        d_hidden, d_weight = jax.lax.fori_loop(0, chunking.num_chunks, chunk, (d_hidden, d_weight))
+    if g_sum is not None:  # sum(w * logp): its gradients came with the forward pass
+        if fused[0] is not None:
+            d_hidden = d_hidden + g_sum.astype(hidden.dtype) * fused[0]
+        if fused[1] is not None:
+            d_weight = d_weight + g_sum * fused[1]
     return d_hidden, d_weight.astype(weight.dtype)
 
 
@@ -162,10 +205,21 @@ def chunked_scores(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     entropy: bool = False,
-) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"] | None]:
-    """`chunked_logprobs`, and with `entropy=True` each token's entropy `-sum(p log p)`
-    of its next-token distribution too, computed in the same chunks and differentiable
-    (else `None`)."""
+    token_weights: Float[Array, "batch seq"] | None = None,
+) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"] | None, Float[Array, ""] | None]:
+    """`chunked_logprobs`, and:
+
+    - with `entropy=True`, each token's entropy `-sum(p log p)` of its next-token
+      distribution, computed in the same chunks and differentiable (else `None`);
+    - with `token_weights`, `sum(token_weights * logprobs)` (else `None`), whose
+      gradients are computed in the forward pass from the same logits, so that a loss
+      linear in the log-probabilities (cross entropy) is differentiated without a
+      second pass over the vocabulary. The weights are constants (not differentiated).
+      Differentiating the per-token outputs as well still works, through that second
+      pass.
+
+    **Returns:** `(logprobs, entropy, weighted_sum)`.
+    """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, D = hidden.shape
@@ -175,14 +229,18 @@ def chunked_scores(
     positions = min(L, max(1, chunk_size // B))
     n = ceil_div(L, positions)
     pad = n * positions - L
-    hidden = constrain(hidden.reshape(B, shards, L, D), ("batch", "seq", None, "act_embed"))
-    targets = targets.reshape(B, shards, L).astype(jnp.int32)
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, 0), (0, pad)))
-    logp, ent = _chunked_logprobs((hidden, weight), targets, _Chunking(positions, n, entropy))
+
+    def layout(x, value=0):  # [B, T, ...] -> [B, shards, n * positions, ...], padded
+        x = x.reshape(B, shards, L, *x.shape[2:])
+        return jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3), constant_values=value) if pad else x
+
+    hidden = constrain(layout(hidden), ("batch", "seq", None, "act_embed"))
+    targets = layout(targets.astype(jnp.int32))
+    if token_weights is not None:
+        token_weights = layout(jax.lax.stop_gradient(token_weights).astype(jnp.float32))
+    logp, ent, weighted = _chunked_logprobs((hidden, weight), targets, token_weights, _Chunking(positions, n, entropy))
     logp, ent = (x[:, :, :L].reshape(B, T) for x in (logp, ent))
-    return logp, ent if entropy else None
+    return logp, ent if entropy else None, None if token_weights is None else weighted
 
 
 def sequence_logprobs(
@@ -195,6 +253,7 @@ def sequence_logprobs(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     segment_ids: Int[Array, "batch seq"] | None = None,
     entropy: bool = False,
+    token_weights: Float[Array, "batch seq"] | None = None,
 ) -> TokenScores:
     """The core of `token_logprobs` and of the training and policy losses.
 
@@ -203,14 +262,19 @@ def sequence_logprobs(
     order. `chunk_size=None` is the naive baseline for benchmarks: full
     `[batch, seq, vocab]` logits with plain autodiff. `segment_ids`: packed
     documents (see `eqx_tx.Batch`). `entropy`: also compute each token's entropy
-    (in the same LM-head chunks).
+    (in the same LM-head chunks). `token_weights`: also compute
+    `sum(token_weights * logprobs)` (`TokenScores.weighted_sum`), the cross-entropy
+    objective, with its LM-head gradients taken in the forward pass.
     """
     B, T = input_ids.shape
     sp = context_parallel_size()
     order = None
     packed = () if segment_ids is None else (segment_ids, segment_positions(segment_ids))
     if sp > 1:
-        (input_ids, target_ids, *packed), positions, order = to_context_layout((input_ids, target_ids, *packed), sp)
+        weights = () if token_weights is None else (token_weights,)
+        moved, positions, order = to_context_layout((input_ids, target_ids, *packed, *weights), sp)
+        input_ids, target_ids, packed = moved[0], moved[1], tuple(moved[2 : 2 + len(packed)])
+        token_weights = moved[-1] if weights else None
     else:
         positions = positions_for(B, T)
     segments, rope_positions = (constrain(x, ("batch", "seq")) for x in packed) if packed else (None, None)
@@ -225,12 +289,14 @@ def sequence_logprobs(
         logp_btv = jax.nn.log_softmax(model.head_logits(out.hidden), -1)
         logp = jnp.take_along_axis(logp_btv, target_ids[..., None], -1)[..., 0]
         ent = -jnp.sum(jnp.exp(logp_btv) * logp_btv, -1) if entropy else None
+        weighted = None if token_weights is None else jnp.sum(jax.lax.stop_gradient(token_weights) * logp)
     else:
-        logp, ent = chunked_scores(out.hidden, model.head_weight(), target_ids, chunk_size=chunk_size, entropy=entropy)
+        logp, ent, weighted = chunked_scores(out.hidden, model.head_weight(), target_ids, chunk_size=chunk_size,
+                                             entropy=entropy, token_weights=token_weights)
     if order is not None:  # back to the original token order
         logp, ent = (None if x is None else jnp.zeros_like(x).at[:, order].set(x)[:, :T] for x in (logp, ent))
     assert logp is not None
-    return TokenScores(logp, ent, out.router_stats)
+    return TokenScores(logp, ent, out.router_stats, weighted)
 
 
 def token_logprobs(

@@ -212,11 +212,15 @@ def _micro_batch_loss(params, frozen, batch: Batch, coefficients, config: TrainC
     policy = config.policy_loss
     ids, targets, lengths = (jnp.asarray(x) for x in (batch.input_ids, batch.target_ids, batch.lengths))
     segments = None if batch.segment_ids is None else jnp.asarray(batch.segment_ids)
-    logp, entropy, stats = sequence_logprobs(model, ids, targets, lengths, compute=config.compute,
-                                             chunk_size=config.loss_chunk_size, segment_ids=segments,
-                                             entropy=policy is not None and policy.needs_entropy)
+    # Cross entropy is linear in the log-probabilities: its LM-head gradients come with
+    # the forward pass (`token_weights`), instead of from a second pass over the vocabulary.
+    logp, entropy, stats, weighted = sequence_logprobs(
+        model, ids, targets, lengths, compute=config.compute, chunk_size=config.loss_chunk_size,
+        segment_ids=segments, entropy=policy is not None and policy.needs_entropy,
+        token_weights=coefficients if policy is None else None)
     if policy is None:
-        objective, metrics = -jnp.sum(coefficients * logp), {}
+        assert weighted is not None
+        objective, metrics = -weighted, {}
     else:
         objective, metrics = policy_objective(logp, entropy, batch, coefficients, count, policy)
     balance = stats.load_balancing_loss() / micro_batches if stats is not None else jnp.zeros(())

@@ -145,3 +145,56 @@ def test_chunked_entropy_values_and_grads(chunk_size):
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_logprobs(jnp.zeros((1, 2, 4)), jnp.zeros((8, 4)), jnp.zeros((1, 2), jnp.int32), chunk_size=0)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 7, 64])
+def test_weighted_sum_gradients_come_from_the_forward_pass(chunk_size):
+    """`token_weights`: `sum(w * logp)` and its gradients (taken in the forward pass)
+    equal plain autodiff of full logits, alone, with the head weight frozen, and
+    together with per-token cotangents (which take the second pass); the gradient of
+    the weighted sum alone runs three vocabulary-sized matmuls, not four."""
+    k = jax.random.split(jax.random.key(1), 5)
+    B, T, D, V = 2, 13, 8, 50
+    hidden, weight = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (V, D))
+    targets = jax.random.randint(k[2], (B, T), 0, V)
+    w, a = jax.random.normal(k[3], (B, T)), jax.random.normal(k[4], (B, T))
+
+    def reference(hidden, weight):
+        logp = jax.nn.log_softmax(hidden @ weight.T, -1)
+        return jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+
+    def ours(hidden, weight):
+        logp, _, weighted = chunked_scores(hidden, weight, targets, chunk_size=chunk_size, token_weights=w)
+        return logp, weighted
+
+    np.testing.assert_allclose(ours(hidden, weight)[1], jnp.sum(w * reference(hidden, weight)), rtol=1e-5)
+    cases = {
+        "weighted sum": (lambda h, v: ours(h, v)[1], lambda h, v: jnp.sum(w * reference(h, v))),
+        "and per-token": (lambda h, v: (lambda o: o[1] + jnp.sum(a * o[0]))(ours(h, v)),
+                          lambda h, v: jnp.sum((w + a) * reference(h, v))),
+    }
+    for name, (got_fn, want_fn) in cases.items():
+        for argnums in ((0, 1), (0,)):
+            got = jax.jit(jax.grad(got_fn, argnums=argnums))(hidden, weight)
+            want = jax.grad(want_fn, argnums=argnums)(hidden, weight)
+            for x, y in zip(got, want):
+                np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-5, err_msg=f"{name}, argnums {argnums}")
+
+    def vocab_dots(fn, transform=lambda f: jax.grad(f, argnums=(0, 1))):
+        jaxpr = jax.make_jaxpr(transform(fn))(hidden, weight)
+        found = []
+
+        def walk(jx):
+            for eqn in jx.eqns:
+                if eqn.primitive.name == "dot_general" and any(V in v.aval.shape for v in [*eqn.invars, *eqn.outvars]):
+                    found.append(eqn)
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+        walk(jaxpr.jaxpr)
+        return len(found)
+
+    assert vocab_dots(cases["weighted sum"][0], transform=lambda f: f) == 1  # no gradient: logits only
+    assert vocab_dots(cases["weighted sum"][0]) == 3
+    assert vocab_dots(cases["weighted sum"][0], transform=lambda f: jax.grad(f)) == 2  # frozen head: no d_weight
+    assert vocab_dots(cases["and per-token"][0]) == 6  # the second pass: logits again, d_hidden, d_weight
