@@ -64,11 +64,10 @@ class ComputeConfig:
     weights are sliced into per-layer buffers once per decode call, before its token
     loop, and each step runs the layers one after another: one more copy of the layer
     weights while decoding, and a step that compiles once per layer), or `auto`
-    (unrolled on CPU, scan elsewhere; logged once). Scanned, XLA:CPU copies each
-    layer's weights out of the stack on every step at batch > 1, and at batch 1 the
-    whole stacked KV cache four times per layer (it fuses the read of the layer's
-    keys into their write and keeps the old cache; unrolled: twice); XLA:GPU updates
-    the cache in place and reads the weights from the stack."""
+    (unrolled on CPU at batch > 1, scan otherwise; logged once). Scanned, XLA:CPU
+    copies each layer's weights out of the stack for every matmul of more than one
+    row, on every step; at batch 1 the projections are matrix-vector products that
+    read the stack in place, and XLA:GPU reads it in place at any batch."""
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:

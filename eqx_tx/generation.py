@@ -109,16 +109,18 @@ def prefill(
     return cache, (last if full_logits else _last_token_logits(model, last))
 
 
-def _decode_layers(model: CausalLM, compute: ComputeConfig) -> CausalLM:
-    """`model` with its layer stack as a decode loop should run it:
+def _decode_layers(model: CausalLM, compute: ComputeConfig, batch: int) -> CausalLM:
+    """`model` with its layer stack as a decode loop of `batch` rows should run it:
     per-layer blocks sliced out once, here (`unstack`), or the stack as it is
     (`ComputeConfig.decode_layers`)."""
     choice = compute.decode_layers
     if choice == "auto":
         platform = target_platform(current_mesh())
-        choice = "unrolled" if platform == "cpu" else "scan"
-        why = ("scanned, XLA:CPU copies every layer's weights on every step at batch > 1, "
-               "and the whole stacked KV cache at every layer at batch 1") if choice == "unrolled" else platform
+        choice = "unrolled" if platform == "cpu" and batch > 1 else "scan"
+        why = {
+            "unrolled": "XLA:CPU would copy every layer's weights out of the stack on every step",
+            "scan": "batch 1 reads the weights in place" if platform == "cpu" else f"{platform}",
+        }[choice]
         log_once(f"decode layers: {choice} ({why})")
     if choice == "scan":
         return model
@@ -143,7 +145,7 @@ def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_step
     B = state.lengths.shape[0]
     max_new = state.tokens.shape[1]
     stop_at = state.step + num_steps
-    model = _decode_layers(model, compute)
+    model = _decode_layers(model, compute, B)
 
     def cond(s: DecodeState):
         return (s.step < stop_at) & jnp.any(s.done == 0) & (s.step < max_new)
@@ -411,7 +413,7 @@ def generate_text(
 @functools.partial(jax.jit, static_argnames=("chunk", "compute"))
 def _teacher_forced(model: CausalLM, cache, tokens, lengths, continuation, *, chunk: int, compute: ComputeConfig):
     cache, logits = prefill(model, cache, tokens, lengths, chunk=chunk, compute=compute)
-    model = _decode_layers(model, compute)
+    model = _decode_layers(model, compute, tokens.shape[0])
 
     def step(carry, token):
         cache, position = carry

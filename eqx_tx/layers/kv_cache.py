@@ -75,6 +75,15 @@ class KVCache(HasAxes):
     ) -> "KVCache":
         """Store `k_new, v_new` of layer `index` at slots `positions` (out-of-range: dropped)."""
         b = jnp.arange(k_new.shape[0])[:, None]
+        if k_new.shape[0] == 1:
+            # One row: XLA would make the scatter a dynamic-update-slice and fuse it into
+            # the read of the layer that follows (`layer`), which then reads the old
+            # cache; XLA:CPU keeps that alive by copying the whole stacked cache, twice
+            # per layer and step. A second update, out of range (dropped), keeps it a
+            # scatter, done in place.
+            b = jnp.zeros((2, 1), jnp.int32)
+            positions = jnp.concatenate([positions, jnp.full_like(positions, self.max_len)])
+            k_new, v_new = jnp.concatenate([k_new, k_new]), jnp.concatenate([v_new, v_new])
 
         def put(buf, x):
             return buf.at[index, b, positions].set(x.astype(buf.dtype), mode="drop")
