@@ -113,15 +113,21 @@ def test_chunked_loss_memory_below_one_logits_buffer():
     assert unchunked > logits_bytes  # the same code without chunking does hold the logits
 
 
+def _head_problem(seed: int):
+    """Random hidden states `[2, 13, 8]`, a head `[50, 8]`, targets, and two random
+    per-token coefficient arrays."""
+    k = jax.random.split(jax.random.key(seed), 5)
+    B, T, D, V = 2, 13, 8, 50
+    hidden, weight = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (V, D))
+    targets = jax.random.randint(k[2], (B, T), 0, V)
+    return hidden, weight, targets, jax.random.normal(k[3], (B, T)), jax.random.normal(k[4], (B, T))
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 26, 100])
 def test_chunked_entropy_values_and_grads(chunk_size):
     """Entropy from the chunks (and the gradient through log-probs and entropy together)
     equals full-softmax autodiff; an unused entropy output leaves the gradient as it was."""
-    k = jax.random.split(jax.random.key(0), 5)
-    B, T, D, V = 2, 13, 8, 50
-    hidden, weight = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (V, D))
-    targets = jax.random.randint(k[2], (B, T), 0, V)
-    a, b = jax.random.normal(k[3], (B, T)), jax.random.normal(k[4], (B, T))
+    hidden, weight, targets, a, b = _head_problem(0)
 
     def reference(hidden, weight):
         logp = jax.nn.log_softmax(hidden @ weight.T, -1)
@@ -153,11 +159,8 @@ def test_weighted_sum_gradients_come_from_the_forward_pass(chunk_size):
     equal plain autodiff of full logits, alone, with the head weight frozen, and
     together with per-token cotangents (which take the second pass); the gradient of
     the weighted sum alone runs three vocabulary-sized matmuls, not four."""
-    k = jax.random.split(jax.random.key(1), 5)
-    B, T, D, V = 2, 13, 8, 50
-    hidden, weight = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (V, D))
-    targets = jax.random.randint(k[2], (B, T), 0, V)
-    w, a = jax.random.normal(k[3], (B, T)), jax.random.normal(k[4], (B, T))
+    hidden, weight, targets, w, a = _head_problem(1)
+    V = weight.shape[0]
 
     def reference(hidden, weight):
         logp = jax.nn.log_softmax(hidden @ weight.T, -1)
