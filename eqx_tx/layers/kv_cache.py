@@ -78,9 +78,9 @@ class KVCache(HasAxes):
         if k_new.shape[0] == 1:
             # One row: XLA would make the scatter a dynamic-update-slice and fuse it into
             # the read of the layer that follows (`layer`), which then reads the old
-            # cache; XLA:CPU keeps that alive by copying the whole stacked cache, twice
-            # per layer and step. A second update, out of range (dropped), keeps it a
-            # scatter, done in place.
+            # cache; XLA:CPU keeps that alive by copying the whole stacked cache, two to
+            # four times per layer and step. A second update, out of range (dropped),
+            # keeps it a scatter, done in place (tests/test_generation.py checks).
             b = jnp.zeros((2, 1), jnp.int32)
             positions = jnp.concatenate([positions, jnp.full_like(positions, self.max_len)])
             k_new, v_new = jnp.concatenate([k_new, k_new]), jnp.concatenate([v_new, v_new])
