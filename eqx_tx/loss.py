@@ -75,14 +75,19 @@ def _slice(x, i, c):
     return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=2)
 
 
-def _head_grads(h_bocd, weight_vd, d_logits_bocv, wanted=(True, True)):
-    """The hidden-state gradient of one chunk and its share of the head-weight
-    gradient (each `None` unless `wanted`)."""
-    d_h = jnp.einsum("bocv,vd->bocd", d_logits_bocv.astype(weight_vd.dtype), weight_vd,
-                     preferred_element_type=jnp.float32) if wanted[0] else None
-    d_w = jnp.einsum("bocv,bocd->vd", d_logits_bocv.astype(h_bocd.dtype), h_bocd,
-                     preferred_element_type=jnp.float32) if wanted[1] else None
-    return d_h, d_w
+def _add_head_grads(grads, h_bocd, weight_vd, d_logits_bocv, start):
+    """`grads = (d_hidden, d_weight)` with one chunk's share added: its rows of the
+    hidden-state gradient written at `start`, its part of the head-weight gradient
+    summed (a `None` entry is not wanted and stays `None`)."""
+    d_hidden, d_weight = grads
+    if d_hidden is not None:
+        d_h = jnp.einsum("bocv,vd->bocd", d_logits_bocv.astype(weight_vd.dtype), weight_vd,
+                         preferred_element_type=jnp.float32)
+        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), start, axis=2)
+    if d_weight is not None:
+        d_weight = d_weight + jnp.einsum("bocv,bocd->vd", d_logits_bocv.astype(h_bocd.dtype), h_bocd,
+                                         preferred_element_type=jnp.float32)
+    return d_hidden, d_weight
 
 
 def _forward(hidden, weight, targets, token_weights, chunking: _Chunking, wanted=(False, False)):
@@ -96,7 +101,7 @@ def _forward(hidden, weight, targets, token_weights, chunking: _Chunking, wanted
     wanted = wanted if token_weights is not None else (False, False)
 
     def chunk(i, carry):
-        scores, (d_hidden, d_weight) = carry
+        scores, grads = carry
         h = _slice(hidden, i, c)
         logits = _chunk_logits(h, weight)
         lse = jax.nn.logsumexp(logits, axis=-1)
@@ -107,12 +112,8 @@ def _forward(hidden, weight, targets, token_weights, chunking: _Chunking, wanted
         if any(wanted):
             w = _slice(token_weights, i, c)[..., None]
             d_logits = w * (hit.astype(jnp.float32) - jnp.exp(logits - lse[..., None]))
-            d_h, d_w = _head_grads(h, weight, d_logits, wanted)
-            if d_h is not None:
-                d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
-            if d_w is not None:
-                d_weight = d_weight + d_w
-        return scores, (d_hidden, d_weight)
+            grads = _add_head_grads(grads, h, weight, d_logits, i * c)
+        return scores, grads
 
     scores = tuple(jnp.zeros(targets.shape, jnp.float32) for _ in range(3))
     grads = (jnp.zeros(hidden.shape, hidden.dtype) if wanted[0] else None,
@@ -150,8 +151,7 @@ def _chunked_logprobs_bwd(residuals, g, perturbed, hidden_weight, targets, token
         g_logp, g_ent = (jnp.zeros_like(lse) if x is None else x for x in (g_logp, g_ent))
         c = chunking.positions
 
-        def chunk(i, carry):
-            d_hidden, d_weight = carry
+        def chunk(i, grads):
             h = _slice(hidden, i, c)
             g_c, lse_c = _slice(g_logp, i, c)[..., None], _slice(lse, i, c)[..., None]
             logits = _chunk_logits(h, weight)
@@ -161,10 +161,7 @@ def _chunked_logprobs_bwd(residuals, g, perturbed, hidden_weight, targets, token
             d_logits = g_c * (hit.astype(jnp.float32) - p)
             if chunking.entropy:
                 d_logits = d_logits - _slice(g_ent, i, c)[..., None] * p * (logits - lse_c + _slice(ent, i, c)[..., None])
-            d_h, d_w = _head_grads(h, weight, d_logits)
-            assert d_h is not None and d_w is not None
-            d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * c, axis=2)
-            return d_hidden, d_weight + d_w
+            return _add_head_grads(grads, h, weight, d_logits, i * c)
 
         d_hidden, d_weight = jax.lax.fori_loop(0, chunking.num_chunks, chunk, (d_hidden, d_weight))
     if g_sum is not None:  # sum(w * logp): its gradients came with the forward pass
