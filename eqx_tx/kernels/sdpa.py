@@ -69,23 +69,36 @@ def xla_attention(
 
 
 def _single_query_attention(q, k, v, *, kv_lengths, q_offset, causal: bool, scale: float | None):
-    """`xla_attention` for one query per sequence (decode), as multiply-reduces.
+    """`xla_attention` for one query per sequence (decode), as two batched matmuls that
+    read the cache in its stored layout.
 
-    A batched `dot` over `[batch, kv_heads]` makes XLA transpose each layer's cached
-    keys/values into a dot layout on every step (a strided copy of the whole layer
-    cache); reductions read the cache in place, once, in its stored layout.
+    A row's keys, viewed as `[kv_seq, kv_heads * head_dim]`, are multiplied by a
+    block-diagonal matrix that holds each query head in its key/value head's block, so
+    the scores are one `[kv_seq, C] x [C, heads]` matmul per row. The probabilities
+    multiply the values the same way, and each head keeps its own block of the result.
+    That does `kv_heads` times the multiply-adds of the attention proper, but reads
+    each layer's cache once, in place, as a matmul operand: a `dot` batched over
+    `[batch, kv_heads]` makes XLA:CPU copy the cache into a dot layout on every step,
+    and multiply-reduces over it run far below bandwidth (decode attention 1.2-2x
+    faster than the multiply-reduce at 144-4000 cached tokens;
+    `benchmarks/results/speed_cpu.md`).
     """
     B, _, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    qg = q.reshape(B, 1, Hkv, H // Hkv, K).astype(jnp.float32)
-    s = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B, S, Hkv, G]
-    s = s * (K**-0.5 if scale is None else scale)
-    visible = _visible(B, 1, S, kv_lengths, q_offset, causal)[:, 0]  # [B, S]
-    s = jnp.where(visible[:, :, None, None], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=1)  # [B, Hkv, G]
-    p = jnp.where(visible[:, :, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None]), 0.0)
-    o = jnp.sum(p[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B, Hkv, G, K]
-    return o.reshape(B, 1, H, K).astype(q.dtype), lse.reshape(B, 1, H)
+    G = H // Hkv
+    own_block = jnp.eye(Hkv, dtype=bool)[:, None, :, None]  # [kv head of the query, 1, kv block, 1]
+    q_block_bhc = jnp.where(own_block, q.reshape(B, Hkv, G, 1, K), 0).reshape(B, H, Hkv * K)
+    s_bsh = jnp.einsum("bsc,bhc->bsh", k.reshape(B, S, Hkv * K), q_block_bhc, preferred_element_type=jnp.float32)
+    s_bsh = s_bsh * (K**-0.5 if scale is None else scale)
+    visible_bs1 = _visible(B, 1, S, kv_lengths, q_offset, causal)[:, 0, :, None]
+    s_bsh = jnp.where(visible_bs1, s_bsh, -jnp.inf)
+    lse_bh = jax.nn.logsumexp(s_bsh, axis=1)
+    p_bsh = jnp.where(visible_bs1, jnp.exp(s_bsh - jnp.where(jnp.isfinite(lse_bh), lse_bh, 0.0)[:, None]), 0.0)
+    o_bhc = jnp.einsum("bsh,bsc->bhc", p_bsh.astype(v.dtype), v.reshape(B, S, Hkv * K), preferred_element_type=jnp.float32)
+    # Each head's own value block: the diagonal over (query's kv head, value block).
+    o_bgkn = jnp.diagonal(o_bhc.reshape(B, Hkv, G, Hkv, K), axis1=1, axis2=3)  # [B, G, K, Hkv]
+    o_bngk = jnp.moveaxis(o_bgkn, -1, 1)  # [B, Hkv, G, K]
+    return o_bngk.reshape(B, 1, H, K).astype(q.dtype), lse_bh.reshape(B, 1, H)
 
 
 def cudnn_attention(
