@@ -34,6 +34,15 @@ def _visible(B: int, T: int, S: int, kv_lengths, q_offset, causal: bool) -> Bool
     return visible
 
 
+def _masked_softmax(s: Float[Array, "..."], visible: Bool[Array, "..."], *, axis: int):
+    """Softmax of the float32 scores `s` over `axis` among the `visible` entries, and its
+    log-normaliser: zeros and `-inf` where a query sees no key."""
+    s = jnp.where(visible, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=axis)
+    p = jnp.where(visible, jnp.exp(s - jnp.expand_dims(jnp.where(jnp.isfinite(lse), lse, 0.0), axis)), 0.0)
+    return p, lse
+
+
 def xla_attention(
     q: Float[Array, "batch q_seq heads head_dim"],
     k: Float[Array, "batch kv_seq kv_heads head_dim"],
@@ -61,9 +70,7 @@ def xla_attention(
     if q_segment_ids is not None and kv_segment_ids is not None:
         same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
         visible = visible & same & (kv_segment_ids != 0)[:, None, :]
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.where(visible[:, None, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    p, lse = _masked_softmax(s, visible[:, None, None], axis=-1)
     o = jnp.einsum("bhgqs,bshk->bqhgk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, K).astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(B, T, H)
 
@@ -79,9 +86,9 @@ def _single_query_attention(q, k, v, *, kv_lengths, q_offset, causal: bool, scal
     That does `kv_heads` times the multiply-adds of the attention proper, but reads
     each layer's cache once, in place, as a matmul operand: a `dot` batched over
     `[batch, kv_heads]` makes XLA:CPU copy the cache into a dot layout on every step,
-    and multiply-reduces over it run far below bandwidth (decode attention 1.2-2x
-    faster than the multiply-reduce at 144-4000 cached tokens;
-    `benchmarks/results/speed_cpu.md`).
+    and multiply-reduces over it run far below bandwidth (whole-model decode 1.6x
+    faster than the multiply-reduce at batch 16 after a 1000-token prompt, equal after
+    128 tokens; `benchmarks/results/speed_cpu.md`).
     """
     B, _, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -91,9 +98,7 @@ def _single_query_attention(q, k, v, *, kv_lengths, q_offset, causal: bool, scal
     s_bsh = jnp.einsum("bsc,bhc->bsh", k.reshape(B, S, Hkv * K), q_block_bhc, preferred_element_type=jnp.float32)
     s_bsh = s_bsh * (K**-0.5 if scale is None else scale)
     visible_bs1 = _visible(B, 1, S, kv_lengths, q_offset, causal)[:, 0, :, None]
-    s_bsh = jnp.where(visible_bs1, s_bsh, -jnp.inf)
-    lse_bh = jax.nn.logsumexp(s_bsh, axis=1)
-    p_bsh = jnp.where(visible_bs1, jnp.exp(s_bsh - jnp.where(jnp.isfinite(lse_bh), lse_bh, 0.0)[:, None]), 0.0)
+    p_bsh, lse_bh = _masked_softmax(s_bsh, visible_bs1, axis=1)
     o_bhc = jnp.einsum("bsh,bsc->bhc", p_bsh.astype(v.dtype), v.reshape(B, S, Hkv * K), preferred_element_type=jnp.float32)
     # Each head's own value block: the diagonal over (query's kv head, value block).
     o_bgkn = jnp.diagonal(o_bhc.reshape(B, Hkv, G, Hkv, K), axis1=1, axis2=3)  # [B, G, K, Hkv]
