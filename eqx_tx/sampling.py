@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .kernels.topk import argmax
 from .kernels.topk import top_k as window_top_k
 
 
@@ -314,7 +315,7 @@ def sample_batch(
         t = jnp.where(sampled, sampler.temperature, 1.0)[:, None]
         return _gumbel_max(logits / t, jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V)), keys)
 
-    most_likely = jnp.argmax(logits, -1).astype(jnp.int32)
+    most_likely, top = argmax(logits)
 
     def greedy(logits):  # no draw anywhere: no random numbers over the vocabulary
         return most_likely
@@ -322,8 +323,7 @@ def sample_batch(
     branch = jnp.where(needs_filter, 2, jnp.where(jnp.any(sampled), 1, 0))
     drawn = jax.lax.switch(branch, (greedy, plain, filtered), logits)
     tokens = jnp.where(sampled, drawn, most_likely)
-    # log_softmax at the token, reusing the argmax's maximum: two passes over the vocabulary.
-    top = jnp.take_along_axis(logits, most_likely[:, None], axis=-1)
-    log_total = top[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+    # log_softmax at the token, reusing the argmax's maximum: one more pass over the vocabulary.
+    log_total = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
     logp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_total
     return tokens, logp

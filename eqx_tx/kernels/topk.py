@@ -9,6 +9,10 @@ So a `top_k` over the chunk maxima, a gather of those chunks and a `top_k` over 
 chunks are put back in row order before the second stage, so that equal values break
 ties by lower index exactly as `lax.top_k` does (tied values in chunks whose maximum
 ties are taken lowest chunk first, which the chunk-level `lax.top_k` also does).
+
+The top-1 case, `argmax`, is two plain reductions (the maximum, then the lowest index
+holding it, or the first NaN): XLA:CPU vectorises and threads those, but not the pairwise (value, index)
+reduction of `jnp.argmax`.
 """
 
 import jax
@@ -45,3 +49,24 @@ def top_k(
     candidates = jnp.take_along_axis(blocks, best[:, :, None], axis=1).reshape(B, k * chunk)
     values, at = jax.lax.top_k(candidates, k)
     return values, jnp.take_along_axis(best, at // chunk, axis=1) * chunk + at % chunk
+
+
+def argmax(x: Float[Array, "batch n"]) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+    """The index and value of each row's largest entry, the index exactly as
+    `jnp.argmax` (ties and all-`-inf` rows: the lowest index; NaN counts as largest).
+
+    `jnp.argmax` lowers to one reduction over (value, index) pairs, which XLA:CPU runs
+    single-threaded and unvectorised: 1.4 ms for `[16, 32000]` float32 against 0.8 ms
+    for this (7.2 against 4.6 ms at 151936 entries).
+
+    **Returns:** the indices (int32) and the values there.
+    """
+    n = x.shape[-1]
+    ids = jnp.arange(n, dtype=jnp.int32)
+    # XLA:CPU's max reduction may skip NaN, so NaN entries rank before any maximum
+    # (negative keys) by their own test, not through the maximum.
+    top = jnp.max(x, axis=-1, keepdims=True)
+    key = jnp.where(jnp.isnan(x), ids - n, jnp.where(x == top, ids, n))
+    first = jnp.min(key, axis=-1)
+    index = jnp.where(first < 0, first + n, first)
+    return index, jnp.take_along_axis(x, index[:, None], axis=-1)[:, 0]
