@@ -41,6 +41,7 @@ from eqx_tx.host_memory import reexec_with_retaining_malloc, retaining_malloc_ac
 from eqx_tx.models.transformer import new_cache
 from eqx_tx.sampling import SamplingParams
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
+from model_flops import decode_bytes_per_token, prefill_flops, train_flops
 from timing import median_times
 
 SAMPLED = dict(temperature=0.7, top_k=20, top_p=0.95)
@@ -85,28 +86,6 @@ def matmul_peak_gflops(cfg, tokens: int, repeats: int) -> float:
         flops += 2 * m * k * n
         seconds += t
     return flops / seconds / 1e9
-
-
-def matmul_params(cfg, *, head: bool) -> int:
-    D, Q, KV = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = D * (2 * Q + 2 * KV) + 3 * D * cfg.intermediate_size
-    return cfg.num_hidden_layers * per_layer + (cfg.vocab_size * D if head else 0)
-
-
-def train_flops(cfg, B: int, T: int) -> float:
-    """6 · matmul params · tokens, plus causal attention (QKᵀ and PV, forward and backward)."""
-    attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T  # per token, causal half
-    return B * T * (6 * matmul_params(cfg, head=True) + attention)
-
-
-def prefill_flops(cfg, B: int, T: int) -> float:
-    attention = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
-    return B * T * (2 * matmul_params(cfg, head=False) + attention) + 2 * B * cfg.vocab_size * cfg.hidden_size
-
-
-def decode_bytes_per_token(cfg) -> int:
-    """Weights read per decode step at batch 1: every layer, the final norm, the LM head."""
-    return 4 * (matmul_params(cfg, head=True) + cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size)
 
 
 def measure(path: str, cfg, args: Args, rng) -> list[tuple]:
@@ -200,7 +179,7 @@ def measure(path: str, cfg, args: Args, rng) -> list[tuple]:
             steps = args.decode_tokens - 1
             rate = lambda who: b * steps / (t[f"{who}_full"] - t[f"{who}_one"])  # noqa: E731
             rows.append((f"decode b={b} {label} tokens/s", rate("eqx"), rate("hf"), "tok/s",
-                         ("roofline", decode_bytes_per_token(cfg), None) if b == 1 else None))
+                         ("roofline", decode_bytes_per_token(cfg, 4), None) if b == 1 else None))
     return rows
 
 

@@ -15,6 +15,12 @@ PRESETS: dict[str, TransformerConfig] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope=RopeConfig(theta=10000.0),
         tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0,
     ),
+    # Qwen3-0.6B.
+    "qwen3-0.6b": Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope=RopeConfig(theta=1_000_000.0),
+        tie_word_embeddings=True, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+    ),
     # Qwen3-4B-Instruct-2507.
     "qwen3-4b": Qwen3Config(
         vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,

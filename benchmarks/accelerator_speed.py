@@ -1,0 +1,224 @@
+"""On an accelerator: bf16 decode against the bandwidth roofline, and training MFU.
+
+A model of a preset's shape (default `qwen3-0.6b`), random weights in bfloat16 (no
+checkpoint needed), everything measured in one process:
+
+- **limits**: memory read bandwidth (the best of repeated sums of a 1 GiB array) and
+  matmul peak (bf16 `jnp.dot` on the model's own training shapes), printed beside
+  the chip's data-sheet figures where the chip is known;
+- **decode**: tokens/s of `generate` at each batch (a step is the time of `n` new
+  tokens less that of one, over `n - 1`: prefill and the host's work cancel), and
+  at batch 1 the share of the bandwidth roofline: the bytes a step must read (every
+  weight once, the keys and values cached so far) at the measured bandwidth;
+- **train**: tokens/s of `train_step` (AdamW on bf16 weights, chunked loss) at each
+  remat policy and attention implementation, and model-FLOP utilisation
+  (6 · matmul params · tokens + causal attention, `model_flops.py`) of the measured
+  matmul peak and of the data sheet. A setting that does not fit is reported as such.
+
+Every figure is the median of `--repeats` timed runs after a warm-up; compilation is
+excluded. Exits with a message on a CPU (`benchmark_speed.py` measures that, against
+Hugging Face). Rows are printed (and appended to `--out`) as they are measured.
+
+    python benchmarks/accelerator_speed.py --out benchmarks/results/accelerator_tpu_v5e.md
+"""
+
+import dataclasses
+import itertools
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+import eqx_tx
+from eqx_tx.presets import preset
+from eqx_tx.sampling import SamplingParams
+from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
+from model_flops import decode_bytes_per_token, matmul_params, train_flops
+from timing import median_times
+
+# Data-sheet bf16 dense matmul peak (TFLOP/s) and memory bandwidth (GB/s), by a
+# substring of `jax.Device.device_kind`.
+DATA_SHEET = {
+    "TPU v5 lite": (197.0, 819.0),
+    "TPU v5p": (459.0, 2765.0),
+    "TPU v4": (275.0, 1228.0),
+    "H100": (989.0, 3350.0),
+    "H200": (989.0, 4800.0),
+    "A100": (312.0, 1555.0),
+}
+SAMPLED: dict[str, Any] = dict(temperature=0.7, top_k=20, top_p=0.95)
+
+
+@dataclasses.dataclass
+class Args:
+    preset: str = "qwen3-0.6b"
+    """Model shape (`eqx_tx.presets`); the weights are random."""
+    decode_batches: tuple[int, ...] = (1, 16)
+    decode_prompt: int = 128
+    decode_tokens: int = 128
+    decode_layers: tuple[str, ...] = ("auto",)
+    """`ComputeConfig.decode_layers` settings to measure."""
+    profile_dir: str | None = None
+    """Write a `jax.profiler` trace of one batch-1 greedy decode here."""
+    train_batches: tuple[int, ...] = (4,)
+    train_seq_len: int = 2048
+    remats: tuple[str, ...] = ("full", "dots")
+    attentions: tuple[str, ...] = ("auto", "xla")
+    tiles: tuple[int, ...] = ()
+    """Blockwise attention tile sizes (block_q = block_kv) to train with besides the
+    platform's default (`eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""
+    repeats: int = 5
+    out: str | None = None
+    """Also append the report to this markdown file."""
+
+
+class Report:
+    """Lines printed at once (flushed) and appended to a file, so a run cut short keeps
+    what it measured."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+
+def data_sheet(kind: str) -> tuple[float, float] | None:
+    return next((v for k, v in DATA_SHEET.items() if k in kind), None)
+
+
+def bandwidth_gbs(repeats: int) -> tuple[float, str]:
+    """Memory bandwidth: the best of reading a 1 GiB array (summed, bf16 and f32) and
+    copying one (`x + 1`: read and write); the figure and the probe that gave it."""
+    n = 2**29
+    probes = {
+        "sum bf16": (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), jnp.ones((n,), jnp.bfloat16), 2 * n),
+        "sum f32": (jax.jit(jnp.sum), jnp.ones((n // 2,), jnp.float32), 2 * n),
+        "copy bf16": (jax.jit(lambda a: a + 1), jnp.ones((n // 2,), jnp.bfloat16), 2 * n),
+    }
+    rates = {}
+    for name, (fn, x, nbytes) in probes.items():
+        fn(x).block_until_ready()
+        best = float("inf")
+        for _ in range(3 * repeats):
+            t = time.perf_counter()
+            fn(x).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        rates[name] = nbytes / best / 1e9
+        del x
+    name = max(rates, key=lambda k: rates[k])
+    return rates[name], ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+
+
+def matmul_peak_tflops(cfg, tokens: int, repeats: int) -> float:
+    """FLOP-weighted bf16 matmul throughput on the model's training shapes (`tokens`
+    rows), eight products of each shape per call so that dispatch does not count."""
+    D, F, Q = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    shapes = [(tokens, D, Q), (tokens, Q, D), (tokens, D, F), (tokens, F, D), (tokens, D, cfg.vocab_size // 8)]
+    products = jax.jit(lambda a, b: jax.lax.map(lambda x: x @ b, a))
+    flops, seconds = 0, 0.0
+    for m, k, n in shapes:
+        a, b = jnp.ones((8, m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16)
+        t = median_times({"dot": lambda: products(a, b).block_until_ready()}, 3 * repeats)["dot"]
+        flops += 8 * 2 * m * k * n
+        seconds += t
+    return flops / seconds / 1e12
+
+
+def decode_rows(model, cfg, args: Args, bandwidth: float, sheet: tuple[float, float] | None, report: Report) -> None:
+    rng = np.random.default_rng(0)
+    report("| decode | tokens/s | ms/step | % of measured bandwidth roofline | % of data-sheet roofline |")
+    report("|---|---|---|---|---|")
+    mean_kv = args.decode_prompt + args.decode_tokens // 2
+    need = decode_bytes_per_token(cfg, 2, kv_length=mean_kv, kv_bytes=2)
+    for layers in args.decode_layers:
+        compute = eqx_tx.ComputeConfig(decode_layers=layers)  # type: ignore[arg-type]
+        for b in args.decode_batches:
+            prompts = rng.integers(0, cfg.vocab_size, (b, args.decode_prompt)).tolist()
+            for label, sampling in (("greedy", {}), ("top_k=20 top_p=0.95 T=0.7", SAMPLED)):
+                full = SamplingParams(max_new_tokens=args.decode_tokens, stop_token_ids=(), **sampling)
+                one = SamplingParams(max_new_tokens=1, stop_token_ids=(), **sampling)
+                t = median_times({"full": lambda: eqx_tx.generate(model, prompts, full, compute=compute),
+                                  "one": lambda: eqx_tx.generate(model, prompts, one, compute=compute)}, args.repeats)
+                step = (t["full"] - t["one"]) / (args.decode_tokens - 1)
+                roof = sheet_roof = "-"
+                if b == 1:
+                    roof = f"{100 * need / step / (bandwidth * 1e9):.0f}% ({need / 1e9:.2f} GB/step: {need / bandwidth / 1e6:.2f} ms)"
+                    if sheet is not None:
+                        sheet_roof = f"{100 * need / step / (sheet[1] * 1e9):.0f}%"
+                report(f"| b={b} {label}, decode_layers={layers} | {b / step:,.0f} | {1e3 * step:.2f} | {roof} | {sheet_roof} |")
+                if b == 1 and not sampling and args.profile_dir is not None and layers == args.decode_layers[0]:
+                    with jax.profiler.trace(args.profile_dir):
+                        eqx_tx.generate(model, prompts, full, compute=compute)
+
+
+def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, report: Report) -> None:
+    T = args.train_seq_len
+    report(f"| train, T={T} | tokens/s | step (ms) | MFU of measured peak | MFU of data sheet | compile (s) |")
+    report("|---|---|---|---|---|---|")
+    for B, remat in itertools.product(args.train_batches, args.remats):
+        ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T + 1))
+        batch = Batch(jnp.asarray(ids[:, :-1], jnp.int32), jnp.asarray(ids[:, 1:], jnp.int32), jnp.ones((B, T)),
+                      jnp.full((B,), T, jnp.int32))
+        flops = train_flops(cfg, B, T)
+        settings = [(a, None) for a in args.attentions] + [("blockwise", tile) for tile in args.tiles]
+        for attention, tile in settings:
+            compute = eqx_tx.ComputeConfig(remat=remat, attention=attention, block_q=tile, block_kv=tile)  # type: ignore[arg-type]
+            config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-5), compute=compute)
+            name = f"B={B} remat={remat} attention={attention}" + ("" if tile is None else f" tiles {tile}x{tile}")
+            # a fresh model each time: train_step donates (and so deletes) the weights
+            state = [init_train_state(eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16), config)]
+
+            def step():
+                state[0], metrics = train_step(state[0], batch, config)
+                jax.block_until_ready(metrics)
+
+            try:
+                t0 = time.perf_counter()
+                step()
+                compile_s = time.perf_counter() - t0
+                seconds = median_times({"step": step}, args.repeats)["step"]
+            except Exception as e:  # out of device memory, chiefly: report it and go on
+                report(f"| {name} | did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | |")
+                continue
+            finally:
+                del state[:]
+            sheet_mfu = "-" if sheet is None else f"{100 * flops / seconds / 1e12 / sheet[0]:.0f}%"
+            report(f"| {name} | {B * T / seconds:,.0f} | {1e3 * seconds:.0f} | "
+                   f"{100 * flops / seconds / 1e12 / peak:.0f}% | {sheet_mfu} | {compile_s:.0f} |")
+
+
+def main(args: Args) -> None:
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        print("no accelerator here (JAX backend: cpu); benchmarks/benchmark_speed.py measures the CPU",
+              file=sys.stderr)
+        sys.exit(2)
+    eqx_tx.enable_console_logging()  # which attention path and decode layout ran, and why
+    report = Report(args.out)
+    cfg = preset(args.preset)
+    sheet = data_sheet(device.device_kind)
+    model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
+    params = matmul_params(cfg, head=True)
+    bandwidth, probes = bandwidth_gbs(args.repeats)
+    peak = matmul_peak_tflops(cfg, max(args.train_batches) * args.train_seq_len, args.repeats)
+    report(f"\n## {args.preset} ({params / 1e9:.2f} B matmul params), bfloat16, on {device.device_kind} "
+           f"({jax.device_count()} device(s), jax {jax.__version__}); median of {args.repeats}")
+    sheet_note = "" if sheet is None else f" (data sheet: {sheet[1]:.0f} GB/s, {sheet[0]:.0f} TFLOP/s)"
+    report(f"measured in this run: memory bandwidth {bandwidth:.0f} GB/s (best of: {probes} GB/s), bf16 matmul peak {peak:.0f} TFLOP/s "
+           f"on the model's shapes at {max(args.train_batches) * args.train_seq_len} rows{sheet_note}\n")
+    decode_rows(model, cfg, args, bandwidth, sheet, report)
+    del model
+    report()
+    train_rows(cfg, args, peak, sheet, report)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
