@@ -5,7 +5,9 @@ checkpoint needed), everything measured in one process:
 
 - **limits**: memory read bandwidth (the best of repeated sums of a 1 GiB array) and
   matmul peak (bf16 `jnp.dot` on the model's own training shapes), printed beside
-  the chip's data-sheet figures where the chip is known;
+  the chip's data-sheet figures where the chip is known (on a TPU v5e XLA's sums and
+  copies reach only ~540 of its 819 GB/s, less than decode itself reads at: there
+  the data-sheet roofline is the one to read);
 - **decode**: tokens/s of `generate` at each batch (a step is the time of `n` new
   tokens less that of one, over `n - 1`: prefill and the host's work cancel), and
   at batch 1 the share of the bandwidth roofline: the bytes a step must read (every

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import eqx_tx
+from eqx_tx import generation
 from eqx_tx.generation import DecodeState, decode, generate, prefill
 from eqx_tx.hlo import materialized
 from eqx_tx.models.transformer import new_cache
@@ -216,6 +217,25 @@ def test_scanned_batched_decode_copies_every_layer_weight_on_every_step():
     buffers, entry, weight_sizes, _ = _compiled_decode(16, eqx_tx.ComputeConfig(decode_layers="scan"))
     in_loop = [b for b in buffers if b.computation != entry and int(np.prod(b.shape)) in weight_sizes]
     assert len(in_loop) >= 7, in_loop
+
+
+@pytest.mark.parametrize("platform, batch, unrolled", [("cpu", 1, False), ("cpu", 16, True), ("tpu", 1, True),
+                                                       ("tpu", 16, True), ("gpu", 1, False), ("gpu", 16, False)])
+def test_decode_layers_auto_per_platform(monkeypatch, platform, batch, unrolled):
+    """`decode_layers="auto"` unrolls where a scanned step was measured slower (CPU at
+    batch > 1, TPU; `ComputeConfig.decode_layers`) and scans elsewhere; explicit
+    settings are kept as asked on every platform."""
+    config = eqx_tx.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = eqx_tx.init_model(config, key=jax.random.key(0))
+    monkeypatch.setattr(generation, "target_platform", lambda mesh: platform)
+    layers = generation._decode_layers(model, eqx_tx.ComputeConfig(), batch).model.layers
+    assert isinstance(layers, tuple) == unrolled
+    if unrolled:
+        assert len(layers) == 3 and layers[0].mlp.gate_proj.weight.shape == (64, 32)
+    for choice, tuple_ in (("scan", False), ("unrolled", True)):
+        layers = generation._decode_layers(model, eqx_tx.ComputeConfig(decode_layers=choice), batch).model.layers
+        assert isinstance(layers, tuple) == tuple_
 
 
 @pytest.mark.parametrize(
