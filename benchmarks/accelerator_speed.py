@@ -3,8 +3,8 @@
 A model of a preset's shape (default `qwen3-0.6b`), random weights in bfloat16 (no
 checkpoint needed), everything measured in one process:
 
-- **limits**: memory read bandwidth (the best of repeated sums of a 1 GiB array) and
-  matmul peak (bf16 `jnp.dot` on the model's own training shapes), printed beside
+- **limits**: memory bandwidth (the best of sums and a copy of 1 GiB arrays) and
+  matmul peak (bf16 products of the model's own training shapes), printed beside
   the chip's data-sheet figures where the chip is known (on a TPU v5e XLA's sums and
   copies reach only ~540 of its 819 GB/s, less than decode itself reads at: there
   the data-sheet roofline is the one to read);
@@ -43,8 +43,10 @@ from model_flops import decode_bytes_per_token, matmul_params, train_flops
 from timing import median_times
 
 # Data-sheet bf16 dense matmul peak (TFLOP/s) and memory bandwidth (GB/s), by a
-# substring of `jax.Device.device_kind`.
+# substring of `jax.Device.device_kind` (the first that matches).
 DATA_SHEET = {
+    "H100 PCIe": (756.0, 2000.0),
+    "A100-SXM4-80GB": (312.0, 2039.0),
     "TPU v5 lite": (197.0, 819.0),
     "TPU v5p": (459.0, 2765.0),
     "TPU v4": (275.0, 1228.0),
