@@ -100,25 +100,26 @@ def data_sheet(kind: str) -> tuple[float, float] | None:
 
 def bandwidth_gbs(repeats: int) -> tuple[float, str]:
     """Memory bandwidth: the best of reading a 1 GiB array (summed, bf16 and f32) and
-    copying one (`x + 1`: read and write); the figure and the probe that gave it."""
+    copying one (`x + 1`: 0.5 GiB read and written); the best figure and every
+    probe's, as text. One probe's array is alive at a time."""
     n = 2**29
     probes = {
-        "sum bf16": (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), jnp.ones((n,), jnp.bfloat16), 2 * n),
-        "sum f32": (jax.jit(jnp.sum), jnp.ones((n // 2,), jnp.float32), 2 * n),
-        "copy bf16": (jax.jit(lambda a: a + 1), jnp.ones((n // 2,), jnp.bfloat16), 2 * n),
+        "sum bf16": (lambda a: jnp.sum(a, dtype=jnp.float32), (n,), jnp.bfloat16),
+        "sum f32": (jnp.sum, (n // 2,), jnp.float32),
+        "copy bf16": (lambda a: a + 1, (n // 2,), jnp.bfloat16),
     }
     rates = {}
-    for name, (fn, x, nbytes) in probes.items():
+    for name, (fn, shape, dtype) in probes.items():
+        fn, x = jax.jit(fn), jnp.ones(shape, dtype)
         fn(x).block_until_ready()
         best = float("inf")
         for _ in range(3 * repeats):
             t = time.perf_counter()
             fn(x).block_until_ready()
             best = min(best, time.perf_counter() - t)
-        rates[name] = nbytes / best / 1e9
+        rates[name] = 2 * n / best / 1e9
         del x
-    name = max(rates, key=lambda k: rates[k])
-    return rates[name], ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+    return max(rates.values()), ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
 
 
 def matmul_peak_tflops(cfg, tokens: int, repeats: int) -> float:
@@ -167,13 +168,13 @@ def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, 
     T = args.train_seq_len
     report(f"| train, T={T} | tokens/s | step (ms) | MFU of measured peak | MFU of data sheet | compile (s) |")
     report("|---|---|---|---|---|---|")
-    for B, remat in itertools.product(args.train_batches, args.remats):
+    settings = [(a, None) for a in args.attentions] + [("blockwise", tile) for tile in args.tiles]
+    for B in args.train_batches:
         ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T + 1))
         batch = Batch(jnp.asarray(ids[:, :-1], jnp.int32), jnp.asarray(ids[:, 1:], jnp.int32), jnp.ones((B, T)),
                       jnp.full((B,), T, jnp.int32))
         flops = train_flops(cfg, B, T)
-        settings = [(a, None) for a in args.attentions] + [("blockwise", tile) for tile in args.tiles]
-        for attention, tile in settings:
+        for remat, (attention, tile) in itertools.product(args.remats, settings):
             compute = eqx_tx.ComputeConfig(remat=remat, attention=attention, block_q=tile, block_kv=tile)  # type: ignore[arg-type]
             config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-5), compute=compute)
             name = f"B={B} remat={remat} attention={attention}" + ("" if tile is None else f" tiles {tile}x{tile}")
@@ -212,12 +213,13 @@ def main(args: Args) -> None:
     model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
     params = matmul_params(cfg, head=True)
     bandwidth, probes = bandwidth_gbs(args.repeats)
-    peak = matmul_peak_tflops(cfg, max(args.train_batches) * args.train_seq_len, args.repeats)
+    rows = max(args.train_batches) * args.train_seq_len
+    peak = matmul_peak_tflops(cfg, rows, args.repeats)
     report(f"\n## {args.preset} ({params / 1e9:.2f} B matmul params), bfloat16, on {device.device_kind} "
            f"({jax.device_count()} device(s), jax {jax.__version__}); median of {args.repeats}")
     sheet_note = "" if sheet is None else f" (data sheet: {sheet[1]:.0f} GB/s, {sheet[0]:.0f} TFLOP/s)"
     report(f"measured in this run: memory bandwidth {bandwidth:.0f} GB/s (best of: {probes} GB/s), bf16 matmul peak {peak:.0f} TFLOP/s "
-           f"on the model's shapes at {max(args.train_batches) * args.train_seq_len} rows{sheet_note}\n")
+           f"on the model's shapes at {rows} rows{sheet_note}\n")
     decode_rows(model, cfg, args, bandwidth, sheet, report)
     del model
     report()

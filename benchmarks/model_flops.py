@@ -29,7 +29,7 @@ def decode_bytes_per_token(cfg, bytes_per_param: int, kv_length: int = 0, kv_byt
     """Bytes read per decode step at batch 1: every layer, the final norm, the LM head,
     and the keys and values of `kv_length` cached positions."""
     weights = matmul_params(cfg, head=True) + cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size
-    if getattr(cfg, "qk_norm", False):
+    if cfg.qk_norm:
         weights += cfg.num_hidden_layers * 2 * cfg.head_dim
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_length * kv_bytes
     return bytes_per_param * weights + kv
