@@ -67,14 +67,16 @@ class Args:
     decode_layers: tuple[str, ...] = ("auto",)
     """`ComputeConfig.decode_layers` settings to measure."""
     profile_dir: str | None = None
-    """Write a `jax.profiler` trace of one batch-1 greedy decode here."""
+    """Write `jax.profiler` traces (with a Perfetto `perfetto_trace.json.gz`) of one
+    batch-1 greedy decode and of one step of the first train setting here."""
     train_batches: tuple[int, ...] = (4,)
     train_seq_len: int = 2048
     remats: tuple[str, ...] = ("full", "dots")
     attentions: tuple[str, ...] = ("auto", "xla")
     tiles: tuple[int, ...] = ()
-    """Blockwise attention tile sizes (block_q = block_kv) to train with besides the
-    platform's default (`eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""
+    """Attention tile sizes (block_q = block_kv) to train each tiled attention of
+    `attentions` (not xla or cudnn) with, besides the platform's default
+    (`eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""
     repeats: int = 5
     out: str | None = None
     """Also append the report to this markdown file."""
@@ -160,7 +162,7 @@ def decode_rows(model, cfg, args: Args, bandwidth: float, sheet: tuple[float, fl
                         sheet_roof = f"{100 * need / step / (sheet[1] * 1e9):.0f}%"
                 report(f"| b={b} {label}, decode_layers={layers} | {b / step:,.0f} | {1e3 * step:.2f} | {roof} | {sheet_roof} |")
                 if b == 1 and not sampling and args.profile_dir is not None and layers == args.decode_layers[0]:
-                    with jax.profiler.trace(args.profile_dir):
+                    with jax.profiler.trace(f"{args.profile_dir}/decode", create_perfetto_trace=True):
                         eqx_tx.generate(model, prompts, full, compute=compute)
 
 
@@ -168,7 +170,8 @@ def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, 
     T = args.train_seq_len
     report(f"| train, T={T} | tokens/s | step (ms) | MFU of measured peak | MFU of data sheet | compile (s) |")
     report("|---|---|---|---|---|---|")
-    settings = [(a, None) for a in args.attentions] + [("blockwise", tile) for tile in args.tiles]
+    tiled = [a for a in args.attentions if a not in ("xla", "cudnn")]
+    settings = [(a, None) for a in args.attentions] + [(a, tile) for a in tiled for tile in args.tiles]
     for B in args.train_batches:
         ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T + 1))
         batch = Batch(jnp.asarray(ids[:, :-1], jnp.int32), jnp.asarray(ids[:, 1:], jnp.int32), jnp.ones((B, T)),
@@ -190,6 +193,10 @@ def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, 
                 step()
                 compile_s = time.perf_counter() - t0
                 seconds = median_times({"step": step}, args.repeats)["step"]
+                if args.profile_dir is not None and (B, remat, attention, tile) == (
+                        args.train_batches[0], args.remats[0], *settings[0]):
+                    with jax.profiler.trace(f"{args.profile_dir}/train", create_perfetto_trace=True):
+                        step()
             except Exception as e:  # out of device memory, chiefly: report it and go on
                 report(f"| {name} | did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | |")
                 continue

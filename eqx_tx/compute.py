@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 import jax
 
-AttentionImpl = Literal["auto", "cudnn", "blockwise", "xla"]
+AttentionImpl = Literal["auto", "cudnn", "splash", "blockwise", "xla"]
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 
 DecodeLayers = Literal["auto", "scan", "unrolled"]
@@ -33,14 +33,17 @@ class ComputeConfig:
     """Execution options shared by forward, training and generation."""
 
     attention: AttentionImpl = "auto"
-    """Attention kernel: `auto` (cuDNN where it can run, else blockwise for large score
-    tiles, else xla; logged once), `cudnn`, `blockwise` (pure-JAX flash) or `xla`
-    (materialised scores, the reference)."""
+    """Attention kernel: `auto` (cuDNN where it can run, else for large score tiles
+    splash where it can run and blockwise where not, else xla; logged once), `cudnn`
+    (GPU), `splash` (JAX's Pallas TPU kernel, training and prompt scoring on one
+    device), `blockwise` (pure-JAX flash) or `xla` (materialised scores, the
+    reference)."""
     block_q: int | None = None
-    """Query tile size of the blockwise kernel (`None`: the platform's default,
-    `eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""
+    """Query tile size of the blockwise and splash kernels (`None`: the platform's
+    default, `eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""
     block_kv: int | None = None
-    """Key/value tile size of the blockwise kernel (`None`: the platform's default)."""
+    """Key/value tile size of the blockwise and splash kernels (`None`: the platform's
+    default)."""
     remat: RematPolicy = "full"
     """What each scanned layer keeps for the backward pass: `full` keeps only the
     layer-boundary activations and recomputes the layer, `none` keeps everything,

@@ -9,9 +9,10 @@ once per distinct reason:
   travel around the `sp` ring, blockwise inside (`eqx_tx.kernels.ring`).
 - `"shared_prefix"`: `n` samples reading one stored prompt plus their own
   completions, merged by log-sum-exp (`eqx_tx.kernels.shared_prefix`).
-- `"cudnn"`, `"blockwise"`, `"xla"`: the single-device kernels of
-  `eqx_tx.kernels.sdpa`. Under `attention="auto"`: cuDNN where it can run, else
-  blockwise once the score tile reaches `AUTO_BLOCKWISE_MIN_SCORES`, else xla.
+- `"cudnn"`, `"splash"`, `"blockwise"`, `"xla"`: the single-device kernels of
+  `eqx_tx.kernels.sdpa`. Under `attention="auto"`: cuDNN where it can run (a GPU),
+  else once the score tile reaches `AUTO_BLOCKWISE_MIN_SCORES` splash where it can
+  run (a TPU) and blockwise where not, else xla.
 
 The choice also fixes the blockwise tile sizes: `ComputeConfig.block_q/block_kv`
 when given, else the platform's `DEFAULT_BLOCKS` (measured:
@@ -30,8 +31,9 @@ from ..compute import AttentionImpl, ComputeConfig
 from ..sharding import AnyMesh, current_mesh, logical_to_spec, mesh_axis_size
 from .quantized import Quantized
 from .sdpa import attend
+from .splash import LANES, splash_tile
 
-Backend = Literal["cudnn", "blockwise", "xla", "ring", "shared_prefix"]
+Backend = Literal["cudnn", "splash", "blockwise", "xla", "ring", "shared_prefix"]
 CacheKind = Literal["none", "dense", "int8", "shared_prefix"]
 
 # Under "auto", queries*keys at or above this use blockwise instead of xla.
@@ -40,8 +42,10 @@ AUTO_BLOCKWISE_MIN_SCORES = 512 * 512
 # Blockwise tiles (block_q, block_kv) per platform when ComputeConfig leaves them
 # unset. On XLA:CPU 256 x 256 tiles beat 512 x 512 by ~1.3x forward and backward
 # (fewer masked scores in the causal diagonal, tiles that stay in cache); GPUs
-# (where blockwise is the fallback of cuDNN) keep larger tiles.
-DEFAULT_BLOCKS = {"cpu": (256, 256), "gpu": (512, 512)}
+# (where blockwise is the fallback of cuDNN) keep larger tiles. On a TPU v5e 512 x 512
+# blockwise tiles train 1.5x faster than 1024 x 1024 (`benchmarks/results/
+# accelerator_tpu_v5e.md`); splash takes the same sizes, shrunk to divide the sequence.
+DEFAULT_BLOCKS = {"cpu": (256, 256), "gpu": (512, 512), "tpu": (512, 512)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +93,27 @@ def _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh) -> str | None:
     return None
 
 
+def _splash_reason(q_shape, k_shape, cache: CacheKind, q_offset, mesh) -> str | None:
+    """Why the splash kernel cannot run here (`None` if it can)."""
+    platform = target_platform(mesh)
+    if platform != "tpu":
+        return f"backend is {platform}, not tpu"
+    if cache != "none":
+        return "it reads a KV cache"
+    if not (isinstance(q_offset, int) and q_offset == 0):
+        return "queries start after position 0"
+    T, S, head_dim = q_shape[1], k_shape[1], q_shape[-1]
+    if T != S:
+        return f"{T} queries attend to {S} keys (splash here is self-attention)"
+    if T % LANES:
+        return f"sequence length {T} is not a multiple of {LANES}"
+    if head_dim % LANES:
+        return f"head_dim {head_dim} is not a multiple of {LANES}"
+    if mesh is not None and mesh.size > 1:
+        return f"the mesh has {mesh.size} devices (the splash path runs unpartitioned)"
+    return None
+
+
 def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl,
             segmented: bool) -> AttentionChoice:
     T, S = q_shape[1], k_shape[1]
@@ -114,13 +139,22 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         if reason is not None:
             raise ValueError(f"attention implementation 'cudnn' cannot run: {reason}")
         return AttentionChoice("cudnn", "requested")
+    if requested == "splash":
+        reason = _splash_reason(q_shape, k_shape, cache, q_offset, mesh)
+        if reason is not None:
+            raise ValueError(f"attention implementation 'splash' cannot run: {reason}")
+        return AttentionChoice("splash", "requested")
     if requested != "auto":
         return AttentionChoice(requested, "requested")
     reason = _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh)
     if reason is None:
         return AttentionChoice("cudnn", f"{jnp.dtype(dtype)}, q_seq={T}, kv_seq={S}")
     if T * S >= AUTO_BLOCKWISE_MIN_SCORES:
-        return AttentionChoice("blockwise", f"not cudnn because {reason} (q_seq={T}, kv_seq={S})")
+        splash_reason = _splash_reason(q_shape, k_shape, cache, q_offset, mesh)
+        if splash_reason is None:
+            return AttentionChoice("splash", f"not cudnn because {reason}; seq={T}")
+        return AttentionChoice("blockwise", f"not cudnn because {reason}, not splash because {splash_reason} "
+                                            f"(q_seq={T}, kv_seq={S})")
     return AttentionChoice("xla", f"not cudnn because {reason}; scores {T}x{S} are small")
 
 
@@ -158,8 +192,13 @@ def select_attention(
     default_q, default_kv = DEFAULT_BLOCKS.get(target_platform(mesh), DEFAULT_BLOCKS["gpu"])
     bq = default_q if compute.block_q is None else compute.block_q
     bkv = default_kv if compute.block_kv is None else compute.block_kv
+    if choice.backend == "splash":  # tiles of 128-multiples that divide the sequence
+        bq, bkv = splash_tile(q_shape[1], bq), splash_tile(q_shape[1], bkv)
+        if bq is None or bkv is None:
+            raise ValueError(f"splash tiles must be multiples of {LANES}; got block_q={compute.block_q}, "
+                             f"block_kv={compute.block_kv}")
     choice = dataclasses.replace(choice, block_q=bq, block_kv=bkv)
-    tiles = f", tiles {bq}x{bkv}" if choice.backend in ("blockwise", "ring", "shared_prefix") else ""
+    tiles = f", tiles {bq}x{bkv}" if choice.backend in ("splash", "blockwise", "ring", "shared_prefix") else ""
     log_once(f"attention: {choice.backend} ({choice.reason}{tiles})")
     return choice
 
@@ -187,6 +226,6 @@ def dot_product_attention(
     kind: CacheKind = "int8" if isinstance(k, Quantized) else "dense"
     choice = select_attention(q.shape, k.shape, q.dtype, cache=kind, q_offset=q_offset, mesh=current_mesh(),
                               compute=compute)
-    assert choice.backend in ("cudnn", "blockwise", "xla")  # ring and shared prefix need their own inputs
+    assert choice.backend in ("cudnn", "splash", "blockwise", "xla")  # ring and shared prefix need their own inputs
     return attend(choice.backend, q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal,
                   block_q=choice.block_q, block_kv=choice.block_kv, scale=scale)

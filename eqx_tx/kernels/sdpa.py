@@ -2,6 +2,8 @@
 
 - `"cudnn"`: cuDNN fused flash attention via `jax.nn.dot_product_attention` (GPU,
   bf16/fp16; padded batches through per-sequence lengths).
+- `"splash"`: JAX's Pallas splash-attention kernel (TPU; causal self-attention
+  from position 0, `eqx_tx.kernels.splash`).
 - `"blockwise"`: the pure-JAX flash kernel of `eqx_tx.kernels.flash` (any backend,
   O(T) memory forward and backward; reads int8 keys/values block by block).
 - `"xla"`: the plain reference that materialises `[heads, q, kv]` scores; for tests
@@ -18,8 +20,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .flash import flash_attention
 from .quantized import Quantized
+from .splash import splash_attention
 
-KernelBackend = Literal["cudnn", "blockwise", "xla"]
+KernelBackend = Literal["cudnn", "splash", "blockwise", "xla"]
 
 
 def _visible(B: int, T: int, S: int, kv_lengths, q_offset, causal: bool) -> Bool[Array, "batch q_seq kv_seq"]:
@@ -172,6 +175,11 @@ def attend(
             raise ValueError("attention backend 'cudnn' cannot read an int8 KV cache")
         k = k.dequantize(q.dtype) if isinstance(k, Quantized) else k
         v = v.dequantize(q.dtype) if isinstance(v, Quantized) else v
+    if backend == "splash":
+        if not causal or not (isinstance(q_offset, int) and q_offset == 0):
+            raise ValueError("attention backend 'splash' runs causal self-attention from position 0")
+        return splash_attention(q, k, v, kv_lengths=kv_lengths, segment_ids=segment_ids, block_q=block_q,
+                                block_kv=block_kv, scale=scale)
     if backend == "cudnn":
         if segment_ids is not None:
             raise ValueError("attention backend 'cudnn' does not take segment ids (packed sequences)")

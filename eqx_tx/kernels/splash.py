@@ -1,0 +1,111 @@
+"""Causal self-attention on a TPU through JAX's Pallas splash-attention kernel.
+
+`jax.experimental.pallas.ops.tpu.splash_attention` is a Mosaic (Pallas TPU) flash
+kernel, forward and backward, that skips the tiles its static mask rules out. It
+runs one sequence at a time with heads leading (`[heads, seq, head_dim]`, keys and
+values with fewer heads for GQA), applies no score scale, and takes per-token
+segment ids for anything beyond its static causal mask.
+
+`splash_attention` maps the masking rule of `eqx_tx.kernels.flash` onto that:
+
+- the scale multiplies the queries;
+- a causal mask over `[seq, seq]` (queries and keys are the same tokens);
+- padding — a position at or past `kv_lengths`, or segment id `0` of a packed row —
+  becomes segment `-1`, and a real token's segment its document (`1` without
+  packing). A real query then sees exactly the keys of the rule; a padding query
+  sees the padding keys before it (itself at least, so no row is empty and nothing
+  is NaN) where the rule gives it none. Its output is never read.
+
+Tiles must divide the sequence and be multiples of 128 (the TPU's lane width);
+`splash_tile` picks them. Off a TPU the kernel runs in Pallas's interpreter (slow;
+for tests: `eqx_tx.kernels.dispatch` chooses splash only on a TPU).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jaxtyping import Array, Float, Int
+
+LANES = 128
+
+
+def splash_tile(seq: int, requested: int) -> int | None:
+    """The largest multiple of 128 that divides `seq` and is at most `requested`
+    (`None` if there is none: `seq` is not a multiple of 128)."""
+    for tile in range(min(requested, seq) // LANES * LANES, 0, -LANES):
+        if seq % tile == 0:
+            return tile
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: bool):
+    """The kernel for one (heads, seq, tiles): its mask is processed once, in numpy,
+    into concrete arrays (not tracers of whichever trace first asked for it)."""
+    with jax.ensure_compile_time_eval():
+        return _make_kernel(heads, seq, block_q, block_kv, interpret)
+
+
+def _make_kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: bool):
+    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq)) for _ in range(heads)])
+    blocks = splash.BlockSizes(
+        block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+        block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+        use_fused_bwd_kernel=True,
+    )
+    return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
+
+
+def splash_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    *,
+    kv_lengths: Int[Array, " batch"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    block_q: int = 512,
+    block_kv: int = 512,
+    scale: float | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """Causal self-attention from position 0 with the splash kernel.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: queries, keys and values of the same tokens (GQA: `heads` a
+      multiple of `kv_heads`).
+    - `kv_lengths`: real tokens per row (the rest is padding); `None`: all.
+    - `segment_ids`: packed documents (`0` padding, `1..k` documents).
+    - `block_q`, `block_kv`: tile sizes, multiples of 128 that divide `seq`.
+    - `scale`: score scale (`None`: `head_dim ** -0.5`).
+    - `interpret`: run in Pallas's interpreter (any backend; slow); `None`: when the
+      default backend is not a TPU.
+
+    **Returns:** the attention output, dtype of `q`; rows of padding queries are
+    unspecified (see the module docstring).
+    """
+    B, T, H, K = q.shape
+    if k.shape[1] != T:
+        raise ValueError(f"splash attention is self-attention: {T} queries but {k.shape[1]} keys")
+    for name, tile in (("block_q", block_q), ("block_kv", block_kv)):
+        if tile % LANES or T % tile:
+            raise ValueError(f"splash {name}={tile} must be a multiple of {LANES} dividing the sequence ({T})")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    kernel = _kernel(H, T, block_q, block_kv, interpret)
+    scale = K**-0.5 if scale is None else scale
+    q_bhtk = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
+    k_bhtk, v_bhtk = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    if kv_lengths is None and segment_ids is None:
+        o_bhtk = jax.vmap(kernel)(q_bhtk, k_bhtk, v_bhtk)
+    else:
+        segment_bt = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        if kv_lengths is not None:
+            segment_bt = jnp.where(jnp.arange(T) < kv_lengths[:, None], segment_bt, 0)
+        segment_bt = jnp.where(segment_bt == 0, -1, segment_bt)
+        o_bhtk = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+            q_bhtk, k_bhtk, v_bhtk, segment_bt
+        )
+    return jnp.swapaxes(o_bhtk, 1, 2).astype(q.dtype)
