@@ -72,6 +72,8 @@ class Args:
     train_batches: tuple[int, ...] = (4,)
     train_seq_len: int = 2048
     remats: tuple[str, ...] = ("full", "dots")
+    remat_names: tuple[str, ...] = ("attention",)
+    """What `remat="names"` keeps (`eqx_tx.compute.CHECKPOINT_NAMES`)."""
     attentions: tuple[str, ...] = ("auto", "xla")
     tiles: tuple[int, ...] = ()
     """Attention tile sizes (block_q = block_kv) to train each tiled attention of
@@ -178,9 +180,12 @@ def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, 
                       jnp.full((B,), T, jnp.int32))
         flops = train_flops(cfg, B, T)
         for remat, (attention, tile) in itertools.product(args.remats, settings):
-            compute = eqx_tx.ComputeConfig(remat=remat, attention=attention, block_q=tile, block_kv=tile)  # type: ignore[arg-type]
+            names = args.remat_names if remat == "names" else ()
+            compute = eqx_tx.ComputeConfig(remat=remat, remat_names=names, attention=attention, block_q=tile,  # type: ignore[arg-type]
+                                           block_kv=tile)
             config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-5), compute=compute)
-            name = f"B={B} remat={remat} attention={attention}" + ("" if tile is None else f" tiles {tile}x{tile}")
+            name = (f"B={B} remat={remat}" + (f"({','.join(names)})" if names else "") + f" attention={attention}"
+                    + ("" if tile is None else f" tiles {tile}x{tile}"))
             # a fresh model each time: train_step donates (and so deletes) the weights
             state = [init_train_state(eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16), config)]
 

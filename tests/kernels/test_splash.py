@@ -44,15 +44,15 @@ def test_splash_forward_and_gradients_equal_the_reference(masking):
     if masking == "segments":
         kw["segment_ids"] = _packed_segments()
         real = np.asarray(kw["segment_ids"]) != 0
-    ref_kw = dict(kv_lengths=kw.get("kv_lengths"), q_segment_ids=kw.get("segment_ids"),
-                  kv_segment_ids=kw.get("segment_ids"), scale=0.2)
+    lengths, segments = kw.get("kv_lengths"), kw.get("segment_ids")
     cotangent = jax.random.normal(jax.random.key(2), (B, T, H, K)) * real[:, :, None, None]
 
     def ours(q, k, v):
         return splash_attention(q, k, v, block_q=128, block_kv=128, scale=0.2, interpret=True, **kw)
 
     def reference(q, k, v):
-        return xla_attention(q, k, v, **ref_kw)[0]
+        return xla_attention(q, k, v, kv_lengths=lengths, q_segment_ids=segments, kv_segment_ids=segments,
+                             scale=0.2)[0]
 
     out, vjp = jax.vjp(jax.jit(ours), q, k, v)
     ref_out, ref_vjp = jax.vjp(reference, q, k, v)
@@ -79,7 +79,7 @@ def test_splash_tiles_divide_the_sequence():
     assert splash_tile(256, 100) is None
 
 
-def _choose(q=(2, 1024, 16, 128), k=(2, 1024, 8, 128), cache="none", q_offset=0, mesh=None, **compute):
+def _choose(q=(2, 1024, 16, 128), k=(2, 1024, 8, 128), cache: dispatch.CacheKind = "none", q_offset=0, mesh=None, **compute):
     return dispatch.select_attention(q, k, jnp.bfloat16, cache=cache, q_offset=q_offset, mesh=mesh,
                                      compute=eqx_tx.ComputeConfig(**compute))
 
@@ -87,8 +87,9 @@ def _choose(q=(2, 1024, 16, 128), k=(2, 1024, 8, 128), cache="none", q_offset=0,
 def test_auto_takes_splash_on_a_tpu_where_it_can_run(monkeypatch):
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")  # as compiling for a TPU
     choice = _choose()
-    assert choice.backend == "splash" and (choice.block_q, choice.block_kv) == dispatch.DEFAULT_BLOCKS["tpu"]
-    assert (_choose(q=(2, 640, 16, 128), k=(2, 640, 8, 128)).block_q) == 128
+    assert choice.backend == "splash" and (choice.block_q, choice.block_kv) == dispatch.SPLASH_BLOCKS
+    assert _choose(attention="blockwise").block_q == dispatch.DEFAULT_BLOCKS["tpu"][0]
+    assert _choose(q=(2, 1280, 16, 128), k=(2, 1280, 8, 128)).block_q == 640  # 1024 does not divide 1280
     tiles = _choose(block_q=1024, block_kv=256)
     assert (tiles.block_q, tiles.block_kv) == (1024, 256)
     for why, kw in [("not a multiple of 128", dict(q=(2, 1000, 16, 128), k=(2, 1000, 8, 128))),
@@ -108,8 +109,10 @@ def test_splash_is_refused_off_a_tpu():
         _choose(attention="splash")
 
 
-def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path):
-    """Loss and every gradient of a padded batch through the whole model (interpreted)."""
+@pytest.mark.parametrize("remat", ["full", "names"])
+def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat):
+    """Loss and every gradient of a padded batch through the whole model (interpreted),
+    recomputing each layer, or keeping the attention output and the kernel's residuals."""
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     model = eqx_tx.load(path, progress=False)
@@ -123,7 +126,8 @@ def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path):
     coefficients = batch.loss_weights / batch.loss_weights.sum()
 
     def run(attention):
-        config = TrainConfig(loss_chunk_size=64, compute=eqx_tx.ComputeConfig(attention=attention))
+        compute = eqx_tx.ComputeConfig(attention=attention, remat=remat, remat_names=("attention",))
+        config = TrainConfig(loss_chunk_size=64, compute=compute)
         metrics, grads = jax.jit(_loss_and_grads, static_argnums=4)(params, frozen, batch, coefficients, config,
                                                                        batch.loss_weights.sum())
         return float(metrics["loss"]), jax.tree.leaves(grads)
