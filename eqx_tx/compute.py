@@ -35,9 +35,9 @@ class ComputeConfig:
     attention: AttentionImpl = "auto"
     """Attention kernel: `auto` (cuDNN where it can run, else for large score tiles
     splash where it can run and blockwise where not, else xla; logged once), `cudnn`
-    (GPU), `splash` (JAX's Pallas TPU kernel, training and prompt scoring on one
-    device), `blockwise` (pure-JAX flash) or `xla` (materialised scores, the
-    reference)."""
+    (GPU), `splash` (JAX's Pallas TPU kernel: causal self-attention from position 0,
+    as in training and prompt scoring), `blockwise` (pure-JAX flash) or `xla`
+    (materialised scores, the reference)."""
     block_q: int | None = None
     """Query tile size of the blockwise and splash kernels (`None`: the platform's
     default, `eqx_tx.kernels.dispatch.DEFAULT_BLOCKS`)."""

@@ -31,7 +31,7 @@ from ..compute import AttentionImpl, ComputeConfig
 from ..sharding import AnyMesh, current_mesh, logical_to_spec, mesh_axis_size
 from .quantized import Quantized
 from .sdpa import attend
-from .splash import LANES, splash_tile
+from .splash import LANES, head_sharding_mismatch, splash_tile
 
 Backend = Literal["cudnn", "splash", "blockwise", "xla", "ring", "shared_prefix"]
 CacheKind = Literal["none", "dense", "int8", "shared_prefix"]
@@ -113,7 +113,7 @@ def _splash_reason(q_shape, k_shape, cache: CacheKind, q_offset, mesh) -> str | 
     if head_dim % LANES:
         return f"head_dim {head_dim} is not a multiple of {LANES}"
     if mesh is not None and mesh.size > 1:
-        return f"the mesh has {mesh.size} devices (the splash path runs unpartitioned)"
+        return head_sharding_mismatch(q_shape, k_shape, mesh)
     return None
 
 
@@ -234,4 +234,4 @@ def dot_product_attention(
                               compute=compute)
     assert choice.backend in ("cudnn", "splash", "blockwise", "xla")  # ring and shared prefix need their own inputs
     return attend(choice.backend, q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal,
-                  block_q=choice.block_q, block_kv=choice.block_kv, scale=scale)
+                  block_q=choice.block_q, block_kv=choice.block_kv, scale=scale, mesh=current_mesh())

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .flash import flash_attention
+from ..sharding import AnyMesh
 from .quantized import Quantized
 from .splash import splash_attention
 
@@ -156,13 +157,15 @@ def attend(
     block_q: int = 512,
     block_kv: int = 512,
     scale: float | None = None,
+    mesh: AnyMesh | None = None,
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """Attention of `q` over `k, v` on `backend`, with the masking rule of `flash_attention`.
 
     **Arguments:** as `eqx_tx.kernels.flash.flash_attention`; `segment_ids` are the
     packed documents of a self-attention (queries and keys are the same tokens; not
     on cuDNN). Int8 (`Quantized`) keys and values are read block by block by
-    `blockwise` and dequantized whole by `xla`.
+    `blockwise` and dequantized whole by `xla`. `mesh`: the mesh splash runs on,
+    shard by shard (XLA partitions the others).
 
     **Returns:** the attention output, dtype of `q`.
     """
@@ -179,7 +182,7 @@ def attend(
         if not causal or not (isinstance(q_offset, int) and q_offset == 0):
             raise ValueError("attention backend 'splash' runs causal self-attention from position 0")
         return splash_attention(q, k, v, kv_lengths=kv_lengths, segment_ids=segment_ids, block_q=block_q,
-                                block_kv=block_kv, scale=scale)
+                                block_kv=block_kv, scale=scale, mesh=mesh)
     if backend == "cudnn":
         if segment_ids is not None:
             raise ValueError("attention backend 'cudnn' does not take segment ids (packed sequences)")

@@ -29,7 +29,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
+
+from ..sharding import AnyMesh, logical_to_spec
 
 LANES = 128
 # Keys per inner step of a key/value tile. On a TPU v5e (B=4, T=2048, 16 query and 8
@@ -71,6 +74,20 @@ def _make_kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: b
                                                 residual_checkpoint_name="attention")
 
 
+Q_AXES = ("batch", None, "act_heads", None)  # the sequence stays whole on each device
+KV_AXES = ("batch", None, "act_kv_heads", None)
+
+
+def head_sharding_mismatch(q_shape, k_shape, mesh) -> str | None:
+    """Why `mesh` cannot run splash shard by shard (`None` if it can): each device
+    must hold whole query groups with their own key/value heads."""
+    q_spec = logical_to_spec(Q_AXES, q_shape, mesh)
+    k_spec = logical_to_spec(KV_AXES, k_shape, mesh)
+    if q_spec != k_spec:
+        return f"query heads and key/value heads shard differently ({q_spec} vs {k_spec})"
+    return None
+
+
 def splash_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
@@ -81,6 +98,7 @@ def splash_attention(
     block_q: int = 512,
     block_kv: int = 512,
     scale: float | None = None,
+    mesh: AnyMesh | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal self-attention from position 0 with the splash kernel.
@@ -93,32 +111,50 @@ def splash_attention(
     - `segment_ids`: packed documents (`0` padding, `1..k` documents).
     - `block_q`, `block_kv`: tile sizes, multiples of 128 that divide `seq`.
     - `scale`: score scale (`None`: `head_dim ** -0.5`).
+    - `mesh`: with more than one device, the kernel runs in `shard_map` on each
+      device's rows (`batch` axes) and heads (`tp`), the sequence whole; query and
+      key/value heads must shard alike (`head_sharding_mismatch`).
     - `interpret`: run in Pallas's interpreter (any backend; slow); `None`: when the
       default backend is not a TPU.
 
     **Returns:** the attention output, dtype of `q`; rows of padding queries are
     unspecified (see the module docstring).
     """
-    _, T, H, K = q.shape
+    _, T, _, K = q.shape
     if k.shape[1] != T:
         raise ValueError(f"splash attention is self-attention: {T} queries but {k.shape[1]} keys")
     for name, tile in (("block_q", block_q), ("block_kv", block_kv)):
         if tile % LANES or T % tile:
             raise ValueError(f"splash {name}={tile} must be a multiple of {LANES} dividing the sequence ({T})")
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
-    kernel = _kernel(H, T, block_q, block_kv, interpret)
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     scale = K**-0.5 if scale is None else scale
-    q_bhtk = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
-    k_bhtk, v_bhtk = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    if segment_ids is None:  # right padding is masked by causality alone
-        o_bhtk = jax.vmap(kernel)(q_bhtk, k_bhtk, v_bhtk)
-    else:
+    segment_bt = None
+    if segment_ids is not None:  # (right padding alone is masked by causality)
         segment_bt = segment_ids.astype(jnp.int32)
         if kv_lengths is not None:
             segment_bt = jnp.where(jnp.arange(T) < kv_lengths[:, None], segment_bt, 0)
         segment_bt = jnp.where(segment_bt == 0, -1, segment_bt)
-        o_bhtk = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
-            q_bhtk, k_bhtk, v_bhtk, segment_bt
-        )
-    return jnp.swapaxes(o_bhtk, 1, 2).astype(q.dtype)  # pyright: ignore[reportArgumentType]  (no residuals asked for)
+
+    def local(q, k, v, segment_bt=None):
+        kernel = _kernel(q.shape[2], T, block_q, block_kv, interpret)
+        q_bhtk = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
+        k_bhtk, v_bhtk = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        if segment_bt is None:
+            o_bhtk = jax.vmap(kernel)(q_bhtk, k_bhtk, v_bhtk)
+        else:
+            o_bhtk = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+                q_bhtk, k_bhtk, v_bhtk, segment_bt
+            )
+        return jnp.swapaxes(o_bhtk, 1, 2).astype(q.dtype)  # pyright: ignore[reportArgumentType]  (no residuals asked for)
+
+    extra = () if segment_bt is None else (segment_bt,)
+    if mesh is None or mesh.size == 1:
+        return local(q, k, v, *extra)
+    reason = head_sharding_mismatch(q.shape, k.shape, mesh)
+    if reason is not None:
+        raise ValueError(f"splash attention on this mesh: {reason}")
+    spec = logical_to_spec(Q_AXES, q.shape, mesh)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, spec, spec) + ((P(spec[0], None),) if extra else ()), out_specs=spec,
+        check_vma=False,
+    )(q, k, v, *extra)

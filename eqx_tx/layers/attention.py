@@ -152,7 +152,7 @@ class Attention(eqx.Module):
             else:
                 keys, values = k_bthk, v_bthk
             o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset,
-                            segment_ids=mask.segment_ids, causal=True, block_q=bq, block_kv=bkv)
+                            segment_ids=mask.segment_ids, causal=True, block_q=bq, block_kv=bkv, mesh=mesh)
         o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
         return self.o_proj(o_bthk), cache
 

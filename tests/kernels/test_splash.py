@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
 from eqx_tx.kernels import dispatch
@@ -79,6 +80,9 @@ def test_splash_tiles_divide_the_sequence():
     assert splash_tile(256, 100) is None
 
 
+TP2 = eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
+
+
 def _choose(q=(2, 1024, 16, 128), k=(2, 1024, 8, 128), cache: dispatch.CacheKind = "none", q_offset=0, mesh=None, **compute):
     return dispatch.select_attention(q, k, jnp.bfloat16, cache=cache, q_offset=q_offset, mesh=mesh,
                                      compute=eqx_tx.ComputeConfig(**compute))
@@ -95,13 +99,14 @@ def test_auto_takes_splash_on_a_tpu_where_it_can_run(monkeypatch):
     for why, kw in [("not a multiple of 128", dict(q=(2, 1000, 16, 128), k=(2, 1000, 8, 128))),
                     ("head_dim 64", dict(q=(2, 1024, 16, 64), k=(2, 1024, 8, 64))),
                     ("reads a KV cache", dict(cache="dense", k=(2, 4096, 8, 128))),
-                    ("mesh has 2 devices", dict(mesh=eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])))]:
+                    ("shard differently", dict(k=(2, 1024, 1, 128), mesh=TP2))]:
         fallback = _choose(**kw)
         assert fallback.backend == "blockwise" and "not splash because" in fallback.reason, kw
         assert why in fallback.reason
         with pytest.raises(ValueError, match="'splash' cannot run"):
             _choose(attention="splash", **kw)
     assert _choose(q=(2, 128, 16, 128), k=(2, 128, 8, 128)).backend == "xla"  # small scores
+    assert _choose(mesh=TP2).backend == "splash"  # heads shard alike: shard by shard
 
 
 def test_splash_is_refused_off_a_tpu():
@@ -109,10 +114,11 @@ def test_splash_is_refused_off_a_tpu():
         _choose(attention="splash")
 
 
-@pytest.mark.parametrize("remat", ["full", "names"])
-def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat):
+@pytest.mark.parametrize("remat,mesh_shape", [("full", None), ("names", None), ("full", (2, 2))])
+def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat, mesh_shape):
     """Loss and every gradient of a padded batch through the whole model (interpreted),
-    recomputing each layer, or keeping the attention output and the kernel's residuals."""
+    recomputing each layer, or keeping the attention output and the kernel's residuals;
+    on one device, and shard by shard on a dp x tp mesh against the single-device reference."""
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     model = eqx_tx.load(path, progress=False)
@@ -134,7 +140,14 @@ def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat):
 
     ref_loss, ref_grads = run("xla")
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")
-    loss, grads = run("splash")  # (auto takes xla for scores this small)
+    if mesh_shape is None:
+        loss, grads = run("splash")  # (auto takes xla for scores this small)
+    else:
+        mesh = eqx_tx.make_mesh(dp=mesh_shape[0], tp=mesh_shape[1], devices=jax.devices()[:4])
+        params, frozen = eqx.partition(eqx_tx.load(path, mesh=mesh, progress=False), eqx.is_array)
+        with jax.set_mesh(mesh):
+            batch, coefficients = jax.device_put((batch, coefficients), NamedSharding(mesh, P("dp")))
+            loss, grads = run("splash")
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4 * float(np.abs(r).max()))
