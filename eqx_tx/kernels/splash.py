@@ -28,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -60,6 +59,8 @@ def _kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: bool):
 
 
 def _make_kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # (imported when used: ~0.1 s)
+
     mask = splash.MultiHeadMask([splash.CausalMask((seq, seq)) for _ in range(heads)])
     compute = min(block_kv, KV_COMPUTE)
     blocks = splash.BlockSizes(
@@ -136,13 +137,15 @@ def splash_attention(
         segment_bt = jnp.where(segment_bt == 0, -1, segment_bt)
 
     def local(q, k, v, segment_bt=None):
+        from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
         kernel = _kernel(q.shape[2], T, block_q, block_kv, interpret)
         q_bhtk = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
         k_bhtk, v_bhtk = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         if segment_bt is None:
             o_bhtk = jax.vmap(kernel)(q_bhtk, k_bhtk, v_bhtk)
         else:
-            o_bhtk = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+            o_bhtk = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(
                 q_bhtk, k_bhtk, v_bhtk, segment_bt
             )
         return jnp.swapaxes(o_bhtk, 1, 2).astype(q.dtype)  # pyright: ignore[reportArgumentType]  (no residuals asked for)
