@@ -14,9 +14,10 @@ once per distinct reason:
   else once the score tile reaches `AUTO_BLOCKWISE_MIN_SCORES` splash where it can
   run (a TPU) and blockwise where not, else xla.
 
-The choice also fixes the blockwise tile sizes: `ComputeConfig.block_q/block_kv`
-when given, else the platform's `DEFAULT_BLOCKS` (measured:
-`benchmarks/benchmark_attention.py`).
+The choice also fixes the tile sizes: `ComputeConfig.block_q/block_kv` when given,
+else the platform's `DEFAULT_BLOCKS` (measured: `benchmarks/benchmark_attention.py`)
+or, for splash, `SPLASH_BLOCKS` (`benchmarks/splash_tiles.py`), shrunk to divide the
+sequence.
 """
 
 import dataclasses

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .flash import flash_attention
 from ..sharding import AnyMesh
+from .flash import flash_attention
 from .quantized import Quantized
 from .splash import splash_attention
 
