@@ -32,7 +32,7 @@ from ..compute import AttentionImpl, ComputeConfig
 from ..sharding import AnyMesh, current_mesh, logical_to_spec, mesh_axis_size
 from .quantized import Quantized
 from .sdpa import attend
-from .splash import LANES, head_sharding_mismatch, splash_tile
+from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
 
 Backend = Literal["cudnn", "splash", "blockwise", "xla", "ring", "shared_prefix"]
 CacheKind = Literal["none", "dense", "int8", "shared_prefix"]
@@ -109,8 +109,6 @@ def _splash_reason(q_shape, k_shape, cache: CacheKind, q_offset, mesh) -> str | 
     T, S, head_dim = q_shape[1], k_shape[1], q_shape[-1]
     if T != S:
         return f"{T} queries attend to {S} keys (splash here is self-attention)"
-    if T % LANES:
-        return f"sequence length {T} is not a multiple of {LANES}"
     if head_dim % LANES:
         return f"head_dim {head_dim} is not a multiple of {LANES}"
     if mesh is not None and mesh.size > 1:
@@ -199,8 +197,9 @@ def select_attention(
         default_q, default_kv = DEFAULT_BLOCKS.get(target_platform(mesh), DEFAULT_BLOCKS["gpu"])
     bq = default_q if compute.block_q is None else compute.block_q
     bkv = default_kv if compute.block_kv is None else compute.block_kv
-    if choice.backend == "splash":  # tiles of 128-multiples that divide the sequence
-        bq, bkv = splash_tile(q_shape[1], bq), splash_tile(q_shape[1], bkv)
+    if choice.backend == "splash":  # tiles of 128-multiples that divide the (padded) sequence
+        seq = padded_length(q_shape[1])
+        bq, bkv = splash_tile(seq, bq), splash_tile(seq, bkv)
         if bq is None or bkv is None:
             raise ValueError(f"splash tiles must be multiples of {LANES}; got block_q={compute.block_q}, "
                              f"block_kv={compute.block_kv}")

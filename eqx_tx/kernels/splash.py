@@ -19,8 +19,10 @@ segment ids for anything beyond its static causal mask.
   at least: no row is empty and nothing is NaN) and a real query exactly the keys
   of the rule.
 
-Tiles must divide the sequence and be multiples of 128 (the TPU's lane width);
-`splash_tile` picks them. Off a TPU the kernel runs in Pallas's interpreter (slow;
+A sequence that is not a multiple of 128 (the TPU's lane width) is padded to one at
+the end: the padded keys come after every real query, so the causal mask hides them,
+and the padded queries' rows are dropped. Tiles must be multiples of 128 that divide
+the padded sequence; `splash_tile` picks them. Off a TPU the kernel runs in Pallas's interpreter (slow;
 for tests: `eqx_tx.kernels.dispatch` chooses splash only on a TPU).
 """
 
@@ -32,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ..sharding import AnyMesh, logical_to_spec
+from ..util import round_up
 
 LANES = 128
 # Keys per inner step of a key/value tile. On a TPU v5e (B=4, T=2048, 16 query and 8
@@ -39,6 +42,11 @@ LANES = 128
 # 512 keys at a time, 4.07 ms 1024 at a time, 4.26 ms with 512 x 512 tiles, against
 # 6.02 ms for the pure-JAX blockwise kernel (`benchmarks/results/accelerator_tpu_v5e.md`).
 KV_COMPUTE = 512
+
+
+def padded_length(seq: int) -> int:
+    """The sequence length the kernel runs at: `seq` rounded up to a multiple of 128."""
+    return round_up(seq, LANES)
 
 
 def splash_tile(seq: int, requested: int) -> int | None:
@@ -110,7 +118,8 @@ def splash_attention(
       multiple of `kv_heads`).
     - `kv_lengths`: real tokens per row (the rest is padding); `None`: all.
     - `segment_ids`: packed documents (`0` padding, `1..k` documents).
-    - `block_q`, `block_kv`: tile sizes, multiples of 128 that divide `seq`.
+    - `block_q`, `block_kv`: tile sizes, multiples of 128 that divide `seq` rounded
+      up to a multiple of 128 (`padded_length`).
     - `scale`: score scale (`None`: `head_dim ** -0.5`).
     - `mesh`: with more than one device, the kernel runs in `shard_map` on each
       device's rows (`batch` axes) and heads (`tp`), the sequence whole; query and
@@ -124,9 +133,11 @@ def splash_attention(
     _, T, _, K = q.shape
     if k.shape[1] != T:
         raise ValueError(f"splash attention is self-attention: {T} queries but {k.shape[1]} keys")
+    padded = padded_length(T)
     for name, tile in (("block_q", block_q), ("block_kv", block_kv)):
-        if tile % LANES or T % tile:
-            raise ValueError(f"splash {name}={tile} must be a multiple of {LANES} dividing the sequence ({T})")
+        if tile % LANES or padded % tile:
+            raise ValueError(f"splash {name}={tile} must be a multiple of {LANES} dividing the sequence ({T}, "
+                             f"padded to {padded})")
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     scale = K**-0.5 if scale is None else scale
     segment_bt = None
@@ -135,11 +146,15 @@ def splash_attention(
         if kv_lengths is not None:
             segment_bt = jnp.where(jnp.arange(T) < kv_lengths[:, None], segment_bt, 0)
         segment_bt = jnp.where(segment_bt == 0, -1, segment_bt)
+    if padded != T:  # at the end: after every real query
+        q, k, v = (jnp.pad(x, ((0, 0), (0, padded - T), (0, 0), (0, 0))) for x in (q, k, v))
+        if segment_bt is not None:
+            segment_bt = jnp.pad(segment_bt, ((0, 0), (0, padded - T)), constant_values=-1)
 
     def local(q, k, v, segment_bt=None):
         from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
-        kernel = _kernel(q.shape[2], T, block_q, block_kv, interpret)
+        kernel = _kernel(q.shape[2], padded, block_q, block_kv, interpret)
         q_bhtk = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
         k_bhtk, v_bhtk = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         if segment_bt is None:
@@ -152,7 +167,7 @@ def splash_attention(
 
     extra = () if segment_bt is None else (segment_bt,)
     if mesh is None or mesh.size == 1:
-        return local(q, k, v, *extra)
+        return local(q, k, v, *extra)[:, :T]
     reason = head_sharding_mismatch(q.shape, k.shape, mesh)
     if reason is not None:
         raise ValueError(f"splash attention on this mesh: {reason}")
@@ -160,4 +175,4 @@ def splash_attention(
     return jax.shard_map(
         local, mesh=mesh, in_specs=(spec, spec, spec) + ((P(spec[0], None),) if extra else ()), out_specs=spec,
         check_vma=False,
-    )(q, k, v, *extra)
+    )(q, k, v, *extra)[:, :T]

@@ -18,14 +18,14 @@ from tests.hf_utils import make_hf_checkpoint
 B, T, H, HKV, K = 3, 256, 4, 2, 64
 
 
-def _qkv(seed):
+def _qkv(seed, T=T):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     return (jax.random.normal(kq, (B, T, H, K)), 2 * jax.random.normal(kk, (B, T, HKV, K)),
             jax.random.normal(kv, (B, T, HKV, K)))
 
 
-def _packed_segments():
-    """Row 0: one document; row 1: three, then padding; row 2: two, the first a single token."""
+def _packed_segments(T):
+    """Row 0: one document; row 1: three, then padding (if T > 200); row 2: two, the first a single token."""
     seg = np.zeros((B, T), np.int32)
     seg[0] = 1
     seg[1, :100], seg[1, 100:101], seg[1, 101:200] = 1, 2, 3
@@ -33,17 +33,18 @@ def _packed_segments():
     return jnp.asarray(seg)
 
 
+@pytest.mark.parametrize("T", [256, 200])  # 200: padded to 256 inside
 @pytest.mark.parametrize("masking", ["causal", "lengths", "segments"])
-def test_splash_forward_and_gradients_equal_the_reference(masking):
+def test_splash_forward_and_gradients_equal_the_reference(masking, T):
     """Outputs and dq, dk, dv of every real query row; padding rows get no cotangent."""
-    q, k, v = _qkv(1)
+    q, k, v = _qkv(1, T)
     kw: dict = {}
     real = np.ones((B, T), bool)
     if masking == "lengths":
         kw["kv_lengths"] = jnp.asarray([T, 130, 1])
         real = np.arange(T) < np.asarray(kw["kv_lengths"])[:, None]
     if masking == "segments":
-        kw["segment_ids"] = _packed_segments()
+        kw["segment_ids"] = _packed_segments(T)
         real = np.asarray(kw["segment_ids"]) != 0
     lengths, segments = kw.get("kv_lengths"), kw.get("segment_ids")
     cotangent = jax.random.normal(jax.random.key(2), (B, T, H, K)) * real[:, :, None, None]
@@ -67,7 +68,7 @@ def test_splash_refuses_what_it_cannot_run():
     q, k, v = _qkv(0)
     with pytest.raises(ValueError, match="self-attention: 256 queries but 128 keys"):
         splash_attention(q, k[:, :128], v[:, :128], interpret=True)
-    with pytest.raises(ValueError, match="block_q=192 must be a multiple of 128 dividing the sequence"):
+    with pytest.raises(ValueError, match=r"block_q=192 must be a multiple of 128 dividing the sequence \(256"):
         splash_attention(q, k, v, block_q=192, interpret=True)
 
 
@@ -96,8 +97,9 @@ def test_auto_takes_splash_on_a_tpu_where_it_can_run(monkeypatch):
     assert _choose(q=(2, 1280, 16, 128), k=(2, 1280, 8, 128)).block_q == 640  # 1024 does not divide 1280
     tiles = _choose(block_q=1024, block_kv=256)
     assert (tiles.block_q, tiles.block_kv) == (1024, 256)
-    for why, kw in [("not a multiple of 128", dict(q=(2, 1000, 16, 128), k=(2, 1000, 8, 128))),
-                    ("head_dim 64", dict(q=(2, 1024, 16, 64), k=(2, 1024, 8, 64))),
+    padded = _choose(q=(2, 1000, 16, 128), k=(2, 1000, 8, 128))  # run at 1024
+    assert padded.backend == "splash" and (padded.block_q, padded.block_kv) == (1024, 1024)
+    for why, kw in [("head_dim 64", dict(q=(2, 1024, 16, 64), k=(2, 1024, 8, 64))),
                     ("reads a KV cache", dict(cache="dense", k=(2, 4096, 8, 128))),
                     ("shard differently", dict(k=(2, 1024, 1, 128), mesh=TP2))]:
         fallback = _choose(**kw)
@@ -114,16 +116,17 @@ def test_splash_is_refused_off_a_tpu():
         _choose(attention="splash")
 
 
-@pytest.mark.parametrize("remat,mesh_shape", [("full", None), ("names", None), ("full", (2, 2))])
-def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat, mesh_shape):
+@pytest.mark.parametrize("remat,mesh_shape,S", [("full", None, 128), ("names", None, 128), ("full", (2, 2), 128),
+                                                ("full", None, 100)])
+def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat, mesh_shape, S):
     """Loss and every gradient of a padded batch through the whole model (interpreted),
     recomputing each layer, or keeping the attention output and the kernel's residuals;
-    on one device, and shard by shard on a dp x tp mesh against the single-device reference."""
+    on one device, shard by shard on a dp x tp mesh, and at a length the kernel pads;
+    against the single-device xla reference."""
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     model = eqx_tx.load(path, progress=False)
     rng = np.random.default_rng(0)
-    S = 128
     lengths = np.asarray([S, 77], np.int32)
     real = np.arange(S) < lengths[:, None]
     ids = jnp.asarray(rng.integers(1, 100, (2, S)) * real, jnp.int32)
