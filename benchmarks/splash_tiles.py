@@ -10,9 +10,7 @@ FLOPs are causal: forward 4·B·H·T²/2·D, backward 2.5x that. Median of `--re
 """
 
 import dataclasses
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import tyro
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
 from eqx_tx.kernels.flash import flash_attention
+from timing import median_times
 
 # (block_q, block_kv, keys per inner step, fused backward, segment ids)
 VARIANTS = [(512, 512, 512, True, True), (512, 512, 512, True, False), (512, 512, 512, False, False),
@@ -36,16 +35,6 @@ class Args:
     kv_heads: int = 8
     head_dim: int = 128
     repeats: int = 10
-
-
-def median_seconds(f, *inputs, repeats: int) -> float:
-    jax.block_until_ready(f(*inputs))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*inputs))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def splash_fn(args: Args, bq: int, bkv: int, bkv_compute: int, fused: bool, segmented: bool):
@@ -85,8 +74,8 @@ def main(args: Args) -> None:
         forward = jax.jit(f)
         backward = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
         try:
-            tf = median_seconds(forward, q, k, v, repeats=args.repeats)
-            tb = median_seconds(backward, q, k, v, repeats=args.repeats)
+            tf, tb = (median_times({"f": lambda f=f: jax.block_until_ready(f(q, k, v))}, args.repeats)["f"]
+                      for f in (forward, backward))
         except Exception as e:  # a tiling the kernel refuses
             print(f"| {name} | did not run: {type(e).__name__}: {str(e).splitlines()[0][:150]} | |", flush=True)
             return

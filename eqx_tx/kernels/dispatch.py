@@ -89,11 +89,8 @@ def _cudnn_reason(q_shape, k_shape, dtype, q_offset, mesh) -> str | None:
     single_query = q_shape[1] == 1
     if not single_query and not (isinstance(q_offset, int) and q_offset == 0):
         return "queries start after position 0 (cache offset); cuDNN's causal mask is top-left aligned"
-    if mesh is not None:
-        q_spec = logical_to_spec(("batch", None, "act_heads", None), q_shape, mesh)
-        k_spec = logical_to_spec(("batch", None, "act_kv_heads", None), k_shape, mesh)
-        if q_spec != k_spec:  # cuDNN's partitioner needs q, k and v laid out alike
-            return f"query heads and key/value heads shard differently ({q_spec} vs {k_spec})"
+    if mesh is not None:  # cuDNN's partitioner needs q, k and v laid out alike
+        return head_sharding_mismatch(q_shape, k_shape, mesh)
     return None
 
 

@@ -62,11 +62,6 @@ def splash_tile(seq: int, requested: int) -> int | None:
 def _kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: bool):
     """The kernel for one (heads, seq, tiles): its mask is processed once, in numpy,
     into concrete arrays (not tracers of whichever trace first asked for it)."""
-    with jax.ensure_compile_time_eval():
-        return _make_kernel(heads, seq, block_q, block_kv, interpret)
-
-
-def _make_kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash  # (imported when used: ~0.1 s)
 
     mask = splash.MultiHeadMask([splash.CausalMask((seq, seq)) for _ in range(heads)])
@@ -79,8 +74,9 @@ def _make_kernel(heads: int, seq: int, block_q: int, block_kv: int, interpret: b
     # The kernel's residuals (its output and log-sum-exp) carry the checkpoint name of
     # the attention output, so `remat="names"` with "attention" keeps them and the
     # backward pass does not rerun the forward kernel.
-    return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret,
-                                                residual_checkpoint_name="attention")
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret,
+                                                    residual_checkpoint_name="attention")
 
 
 Q_AXES = ("batch", None, "act_heads", None)  # the sequence stays whole on each device
@@ -88,8 +84,9 @@ KV_AXES = ("batch", None, "act_kv_heads", None)
 
 
 def head_sharding_mismatch(q_shape, k_shape, mesh) -> str | None:
-    """Why `mesh` cannot run splash shard by shard (`None` if it can): each device
-    must hold whole query groups with their own key/value heads."""
+    """Why `mesh` cannot run attention shard by shard (`None` if it can): each device
+    must hold whole query groups with their own key/value heads, the sequence whole
+    (splash's `shard_map` and cuDNN's partitioner both need this)."""
     q_spec = logical_to_spec(Q_AXES, q_shape, mesh)
     k_spec = logical_to_spec(KV_AXES, k_shape, mesh)
     if q_spec != k_spec:
