@@ -5,6 +5,9 @@ The pytree mirrors Hugging Face's module tree (`model.embed_tokens`,
 the layer index inserted for the stacked `model.layers` (`eqx_tx.tree.stacked`).
 """
 
+import functools
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -190,9 +193,9 @@ def new_cache(
     - `abstract`: return sharded `jax.ShapeDtypeStruct`s instead of arrays (for
       compile-only memory analysis).
     """
-    return _placed(lambda: KVCache.zeros(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
-                                         kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                         dtype=jnp.dtype(dtype)), mesh, abstract)
+    return _placed(KVCache.zeros, dict(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
+                                       kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                       dtype=jnp.dtype(dtype)), mesh, abstract)
 
 
 def new_paged_cache(
@@ -202,16 +205,24 @@ def new_paged_cache(
     """An empty page pool of `pages` pages of `page_size` tokens and an unallocated
     page table for `batch` sequences of up to `pages_per_seq` pages, placed like
     `new_cache` (kv heads over `tp`)."""
-    return _placed(lambda: PagedKVCache.zeros(layers=config.num_hidden_layers, pages=pages, page_size=page_size,
-                                              kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                              dtype=jnp.dtype(dtype), batch=batch, pages_per_seq=pages_per_seq),
+    return _placed(PagedKVCache.zeros, dict(layers=config.num_hidden_layers, pages=pages, page_size=page_size,
+                                            kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                            dtype=jnp.dtype(dtype), batch=batch, pages_per_seq=pages_per_seq),
                    mesh, abstract)
 
 
-def _placed(zeros, mesh, abstract: bool):
-    """`zeros()` created in its sharding on `mesh`, or as sharded shapes if `abstract`."""
-    shapes = jax.eval_shape(zeros)
+def _placed(zeros: Callable, sizes: dict, mesh, abstract: bool):
+    """`zeros(**sizes)` created in its sharding on `mesh`, or as sharded shapes if `abstract`."""
     if abstract:
+        shapes = jax.eval_shape(functools.partial(zeros, **sizes))
         return shapes if mesh is None else abstract_with_shardings(shapes, mesh)
-    shardings = None if mesh is None else tree_shardings(shapes, mesh)
-    return jax.jit(zeros, out_shardings=shardings)()
+    return _allocator(zeros, tuple(sizes.items()), mesh)()
+
+
+@functools.lru_cache(maxsize=64)
+def _allocator(zeros: Callable, sizes: tuple, mesh) -> Callable:
+    """`zeros` of `sizes`, jitted once per (sizes, mesh): a new jit per cache would
+    compile again on every `generate` call (~30 ms on CPU)."""
+    make = functools.partial(zeros, **dict(sizes))
+    shardings = None if mesh is None else tree_shardings(jax.eval_shape(make), mesh)
+    return jax.jit(make, out_shardings=shardings)
