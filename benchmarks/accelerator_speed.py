@@ -12,6 +12,9 @@ checkpoint needed), everything measured in one process:
   tokens less that of one, over `n - 1`: prefill and the host's work cancel), and
   at batch 1 the share of the bandwidth roofline: the bytes a step must read (every
   weight once, the keys and values cached so far) at the measured bandwidth;
+- **prefill**: time to first token (`generate` of one new token) of `B` prompts of
+  `T` tokens, with each attention of `prefill_attentions`, and its model-FLOP
+  utilisation (forward pass, last-token logits);
 - **train**: tokens/s of `train_step` (AdamW on bf16 weights, chunked loss) at each
   remat policy and attention implementation, and model-FLOP utilisation
   (6 · matmul params · tokens + causal attention, `model_flops.py`) of the measured
@@ -39,7 +42,7 @@ import eqx_tx
 from eqx_tx.presets import preset
 from eqx_tx.sampling import SamplingParams
 from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
-from model_flops import decode_bytes_per_token, matmul_params, train_flops
+from model_flops import decode_bytes_per_token, matmul_params, prefill_flops, train_flops
 from timing import median_times
 
 # Data-sheet bf16 dense matmul peak (TFLOP/s) and memory bandwidth (GB/s), by a
@@ -69,6 +72,9 @@ class Args:
     profile_dir: str | None = None
     """Write `jax.profiler` traces (with a Perfetto `perfetto_trace.json.gz`) of one
     batch-1 greedy decode and of one step of the first train setting here."""
+    prefill_batches: tuple[int, ...] = (1, 4)
+    prefill_lens: tuple[int, ...] = (2048, 8192)
+    prefill_attentions: tuple[str, ...] = ("auto", "blockwise")
     train_batches: tuple[int, ...] = (4,)
     train_seq_len: int = 2048
     remats: tuple[str, ...] = ("full", "dots")
@@ -168,6 +174,25 @@ def decode_rows(model, cfg, args: Args, bandwidth: float, sheet: tuple[float, fl
                         eqx_tx.generate(model, prompts, full, compute=compute)
 
 
+def prefill_rows(model, cfg, args: Args, peak: float, sheet: tuple[float, float] | None, report: Report) -> None:
+    report("| time to first token | ms | prompt tokens/s | MFU of measured peak | MFU of data sheet |")
+    report("|---|---|---|---|---|")
+    one = SamplingParams(max_new_tokens=1, stop_token_ids=())
+    for T, B, attention in itertools.product(args.prefill_lens, args.prefill_batches, args.prefill_attentions):
+        prompts = np.random.default_rng(2).integers(0, cfg.vocab_size, (B, T)).tolist()
+        compute = eqx_tx.ComputeConfig(attention=attention)  # type: ignore[arg-type]
+        name = f"B={B} x T={T} attention={attention}"
+        try:
+            seconds = median_times({"ttft": lambda: eqx_tx.generate(model, prompts, one, compute=compute)},
+                                   args.repeats)["ttft"]
+        except Exception as e:  # out of device memory, chiefly: report it and go on
+            report(f"| {name} | did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | |")
+            continue
+        tflops = prefill_flops(cfg, B, T) / seconds / 1e12
+        sheet_mfu = "-" if sheet is None else f"{100 * tflops / sheet[0]:.0f}%"
+        report(f"| {name} | {1e3 * seconds:,.1f} | {B * T / seconds:,.0f} | {100 * tflops / peak:.0f}% | {sheet_mfu} |")
+
+
 def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, report: Report) -> None:
     T = args.train_seq_len
     report(f"| train, T={T} | tokens/s | step (ms) | MFU of measured peak | MFU of data sheet | compile (s) |")
@@ -233,6 +258,8 @@ def main(args: Args) -> None:
     report(f"measured in this run: memory bandwidth {bandwidth:.0f} GB/s (best of: {probes} GB/s), bf16 matmul peak {peak:.0f} TFLOP/s "
            f"on the model's shapes at {rows} rows{sheet_note}\n")
     decode_rows(model, cfg, args, bandwidth, sheet, report)
+    report()
+    prefill_rows(model, cfg, args, peak, sheet, report)
     del model
     report()
     train_rows(cfg, args, peak, sheet, report)

@@ -13,7 +13,7 @@ from ..kernels.paged import paged_attention
 from ..kernels.ring import ring_attention
 from ..kernels.sdpa import attend
 from ..kernels.shared_prefix import shared_prefix_attention
-from ..sharding import AnyMesh, constrain
+from ..sharding import AnyMesh, constrain, mesh_axis_size
 from .kv_cache import Cache, KVCache, PagedKVCache, SharedPrefixCache
 from .linear import Linear
 from .norm import RMSNorm
@@ -119,8 +119,15 @@ class Attention(eqx.Module):
             o_bthk = paged_attention(q_bthk, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions)
             o_bthk = constrain(o_bthk, ("batch", "seq", "act_heads", None))
             return self.o_proj(o_bthk), cache
-        keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) else k_bthk.shape
-        choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=_cache_kind(cache),
+        # Queries from position 0 (a prefill's first chunk) see only this chunk's keys:
+        # causality hides every later slot of the cache. Attending over the chunk's own
+        # keys, as the cache stores them, is exact, reads `seq` keys instead of the
+        # cache's `max_len`, and is self-attention (which splash runs). Not for int8
+        # caches, whose stored keys are the rounded ones.
+        own_keys = (isinstance(cache, KVCache) and not cache.quantized and mask.segment_ids is None
+                    and isinstance(mask.q_offset, int) and mask.q_offset == 0 and mesh_axis_size(mesh, "sp") == 1)
+        keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) and not own_keys else k_bthk.shape
+        choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache="none" if own_keys else _cache_kind(cache),
                                   q_offset=mask.q_offset, mesh=mesh, compute=compute,
                                   segmented=mask.segment_ids is not None)
         bq, bkv = choice.block_q, choice.block_kv
@@ -148,7 +155,10 @@ class Attention(eqx.Module):
             if isinstance(cache, KVCache):
                 assert layer is not None and positions is not None
                 cache = cache.write(layer, k_bthk, v_bthk, positions)
-                keys, values = cache.layer(layer)
+                if own_keys:
+                    keys, values = k_bthk.astype(cache.k.dtype), v_bthk.astype(cache.v.dtype)
+                else:
+                    keys, values = cache.layer(layer)
             else:
                 keys, values = k_bthk, v_bthk
             o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset,

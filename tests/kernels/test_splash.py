@@ -154,3 +154,37 @@ def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat, mesh_sh
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4 * float(np.abs(r).max()))
+
+
+def test_prefill_from_position_0_runs_splash_over_its_own_keys(monkeypatch, tmp_path):
+    """A prefill's first chunk attends over its own keys (causality hides the rest of a
+    longer cache), so on a TPU it runs splash. Its logits and cache equal a prefill in
+    two xla chunks, whose second chunk reads the first's keys from the cache (at every
+    prompt slot; splash lets padding queries see padding keys, and decode overwrites
+    those slots before it reads them)."""
+    from eqx_tx.generation import prefill
+    from eqx_tx.kernels import sdpa
+    from eqx_tx.models.transformer import new_cache
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    model = eqx_tx.load(path, progress=False)
+    S, max_len = 128, 192
+    lengths = jnp.asarray([S, 77], jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 100, (2, S)) * (np.arange(S) < lengths[:, None]),
+                         jnp.int32)
+
+    def run(attention, chunk):
+        cache = new_cache(model.config, 2, max_len, model.dtype)
+        return prefill(model, cache, tokens, lengths, chunk=chunk, compute=eqx_tx.ComputeConfig(attention=attention))
+
+    ref_cache, ref_logits = run("xla", S // 2)
+    monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")
+    calls = []
+    monkeypatch.setattr(sdpa, "splash_attention", lambda *a, **kw: calls.append(a[1].shape) or splash_attention(*a, **kw))
+    cache, logits = run("splash", S)  # raised before: "it reads a KV cache"
+    assert calls == [(2, S, 2, 128)] * 1  # traced once (the scanned layer), over the chunk's own keys
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-4 * float(np.abs(ref_logits).max()))
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):  # [layers, batch, max_len, ...]
+        for row, length in enumerate(lengths.tolist()):  # slots past a prompt are overwritten before they are read
+            np.testing.assert_allclose(np.asarray(got[:, row, :length]), np.asarray(want[:, row, :length]), atol=1e-5)
