@@ -127,7 +127,8 @@ class Attention(eqx.Module):
         own_keys = (isinstance(cache, KVCache) and not cache.quantized and mask.segment_ids is None
                     and isinstance(mask.q_offset, int) and mask.q_offset == 0 and mesh_axis_size(mesh, "sp") == 1)
         keys_shape = cache.k.shape[1:] if isinstance(cache, KVCache) and not own_keys else k_bthk.shape
-        choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache="none" if own_keys else _cache_kind(cache),
+        kind = "none" if own_keys else _cache_kind(cache)
+        choice = select_attention(q_bthk.shape, keys_shape, q_bthk.dtype, cache=kind,
                                   q_offset=mask.q_offset, mesh=mesh, compute=compute,
                                   segmented=mask.segment_ids is not None)
         bq, bkv = choice.block_q, choice.block_kv
@@ -161,7 +162,10 @@ class Attention(eqx.Module):
                     keys, values = cache.layer(layer)
             else:
                 keys, values = k_bthk, v_bthk
-            o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=mask.kv_lengths, q_offset=mask.q_offset,
+            kv_lengths = mask.kv_lengths
+            if own_keys and kv_lengths is not None:  # a prompt longer than this chunk: its keys end here
+                kv_lengths = jnp.minimum(kv_lengths, k_bthk.shape[1])
+            o_bthk = attend(choice.backend, q_bthk, keys, values, kv_lengths=kv_lengths, q_offset=mask.q_offset,
                             segment_ids=mask.segment_ids, causal=True, block_q=bq, block_kv=bkv, mesh=mesh)
         o_bthk = checkpoint_name(constrain(o_bthk, ("batch", "seq", "act_heads", None)), "attention")
         return self.o_proj(o_bthk), cache
