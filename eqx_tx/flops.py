@@ -2,15 +2,18 @@
 
 Compiled cost analysis is not available on every target (the compile-only CUDA
 devices return none), and it counts what XLA kept rather than what the program
-asks for. Counting `dot_general`s (and fused attention calls) in the jaxpr, with
-each `scan` body counted `length` times, gives the same figure everywhere; the
-backward pass of a remat policy shows up as the forward work it recomputes. The
-figures are global (before partitioning), for comparing programs with each other.
+asks for. Counting `dot_general`s (and fused attention calls) in the jaxpr, dead
+code removed, with each `scan` body counted `length` times and each Pallas
+kernel's body once per point of its grid, gives the same figure everywhere
+(`while` bodies count once); the backward pass of a remat policy shows up as the
+forward work it recomputes. The figures are global (before partitioning), for
+comparing programs with each other.
 """
 
 import math
 
 import jax
+from jax._src.interpreters.partial_eval import dce_jaxpr  # no public equivalent (jax < 0.11 is pinned)
 from jax.extend.core import Jaxpr, jaxprs_in_params
 
 
@@ -31,7 +34,8 @@ def _attention_flops(eqn) -> int:
 
 
 def jaxpr_flops(jaxpr: Jaxpr) -> int:
-    """Matmul FLOPs of `jaxpr`, nested jaxprs included (scan bodies times their length)."""
+    """Matmul FLOPs of `jaxpr`, nested jaxprs included (scan bodies times their length,
+    Pallas kernel bodies times their grid)."""
     total = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -40,11 +44,18 @@ def jaxpr_flops(jaxpr: Jaxpr) -> int:
         elif name.startswith("dot_product_attention_"):
             total += _attention_flops(eqn)
         times = eqn.params["length"] if name == "scan" else 1
+        if name == "pallas_call":  # the kernel body runs once per grid point
+            times = math.prod(g for g in eqn.params["grid_mapping"].grid if isinstance(g, int))
         for sub in jaxprs_in_params(eqn.params):
             total += times * jaxpr_flops(sub)
     return total
 
 
 def traced_flops(traced: jax.stages.Traced) -> int:
-    """Matmul FLOPs of a `jax.jit(f).trace(...)` result."""
-    return jaxpr_flops(traced.jaxpr.jaxpr)
+    """Matmul FLOPs of a `jax.jit(f).trace(...)` result, after removing the work whose
+    results are never used (as XLA does): under a remat policy that keeps a Pallas
+    kernel's named residuals, the recomputation traced for the backward pass still
+    holds the kernel, dead."""
+    jaxpr = traced.jaxpr.jaxpr
+    live, _ = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return jaxpr_flops(live)

@@ -29,6 +29,10 @@ CANDIDATES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dots", ()),
     ("names", ("q", "k", "v", "attention", "mlp_hidden")),
     ("full", ()),
+    # The attention output and the splash kernel's residuals (TPU): the backward pass
+    # does not rerun the forward kernel. With the blockwise or cuDNN kernels, whose
+    # residuals are not kept, it counts as `full`, and ties keep this order.
+    ("names", ("attention",)),
     ("offload", ()),
 )
 

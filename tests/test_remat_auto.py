@@ -123,3 +123,32 @@ def test_train_step_resolves_auto_and_equals_full(checkpoints):
         np.testing.assert_allclose(a, b, atol=2e-6)
     with pytest.raises(ValueError, match='remat="auto" is a choice to make before compiling'):
         eqx_tx.token_logprobs(model, batch.input_ids, batch.target_ids, compute=auto)
+
+
+@pytest.mark.parametrize("attention", ["splash", "blockwise"])
+def test_keeping_the_attention_saves_the_splash_forward(monkeypatch, tmp_path, attention):
+    """`names(attention)` keeps the splash kernel's residuals, so its backward pass
+    does not rerun the forward kernel: fewer FLOPs than `full` by exactly that kernel
+    in every layer, and `auto` ranks it first of the two. The blockwise kernel's
+    residuals are not kept: the two tie, and `full` (less memory) stays first."""
+    from eqx_tx.kernels import dispatch
+    from eqx_tx.remat_auto import remat_candidates
+    from eqx_tx.flops import traced_flops
+    from tests.hf_utils import make_hf_checkpoint
+
+    monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")  # as compiling for a TPU
+    L, H, K, B, T = 2, 4, 128, 2, 128
+    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=2, head_dim=K)
+    model = eqx_tx.load(path, progress=False)
+    auto = eqx_tx.ComputeConfig(attention=attention, remat="auto")  # type: ignore[arg-type]
+    trace = _figures(init_train_state(model, TrainConfig(optimizer=OPT)), _batch(100, batch=B, seq=T), auto)
+    flops = {(c.remat, c.remat_names): traced_flops(trace(c)) for c in remat_candidates(auto)}
+    full, names = flops[("full", ())], flops[("names", ("attention",))]
+    if attention == "splash":
+        assert full - names == L * 2 * (2 * B * H * T * T * K)  # QKᵀ and PV of every layer's forward kernel
+    else:
+        assert full == names
+    order = [c for c in remat_candidates(auto) if (c.remat, c.remat_names) in (("full", ()), ("names", ("attention",)))]
+    ranked = sorted(order, key=lambda c: flops[(c.remat, c.remat_names)])
+    assert ranked[0].remat == ("names" if attention == "splash" else "full")
