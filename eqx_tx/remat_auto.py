@@ -48,6 +48,8 @@ class RematFigures:
     device_bytes: int | None = None
     host_bytes: int = 0
     host_moved: int = 0
+    refused: bool = False
+    """The compiler refused it as too big for the device (a TPU's does)."""
 
     @property
     def label(self) -> str:
@@ -97,23 +99,32 @@ def choose_remat(
     by_config = dict(traced)
     chosen = None
     for i, f in enumerate(figures):
-        m = MemoryFigures.of(by_config[f.compute].lower().compile())
+        try:
+            m = MemoryFigures.of(by_config[f.compute].lower().compile())
+        except jax.errors.JaxRuntimeError as e:  # a TPU compiler refuses what does not fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            figures[i] = dataclasses.replace(f, refused=True)
+            continue
         figures[i] = dataclasses.replace(f, device_bytes=m.total, host_bytes=m.host_total, host_moved=m.host_moved)
         if m.total <= budget_bytes:
             chosen = figures[i]
             break
     table = "; ".join(
         f"{f.label}: {f.flops / 1e12:.2f} TFLOP, "
-        + ("not compiled" if f.device_bytes is None else f"{f.device_bytes / 2**30:.2f} GiB")
+        + ("too big for the device (compiler)" if f.refused
+           else "not compiled" if f.device_bytes is None else f"{f.device_bytes / 2**30:.2f} GiB")
         + (f" (+{f.host_bytes / 2**30:.2f} GiB host, {f.host_moved / 2**30:.2f} GiB moved)" if f.host_bytes else "")
         for f in figures
     )
     if chosen is None:
-        smallest = min(figures, key=lambda f: f.device_bytes or 0)
+        measured = [f for f in figures if f.device_bytes is not None]
+        smallest = (f"the smallest is {min(measured, key=lambda f: f.device_bytes or 0).label} at "
+                    f"{min(f.device_bytes or 0 for f in measured) / 2**30:.2f} GiB" if measured
+                    else "the compiler refused every one as too big for the device")
         raise ValueError(
-            f'remat="auto": no policy fits the budget of {budget_bytes / 2**30:.2f} GiB per device; the smallest '
-            f"is {smallest.label} at {(smallest.device_bytes or 0) / 2**30:.2f} GiB ({table}). Use a smaller batch, "
-            "micro_batches, sequence parallelism or more devices."
+            f'remat="auto": no policy fits the budget of {budget_bytes / 2**30:.2f} GiB per device; {smallest} '
+            f"({table}). Use a smaller batch, micro_batches, sequence parallelism or more devices."
         )
     log_once(f'remat="auto" chose {chosen.label} for a budget of {budget_bytes / 2**30:.2f} GiB per device ({table})')
     return chosen.compute, figures

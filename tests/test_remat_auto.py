@@ -107,6 +107,33 @@ def test_auto_picks_the_fastest_policy_that_fits(checkpoints):
         choose_remat(trace, auto, budget_bytes=1024)
 
 
+class _Refused:
+    """A traced step whose compilation fails as a TPU compiler's does for a program
+    that does not fit the device."""
+
+    def __init__(self, traced):
+        self.jaxpr = traced.jaxpr
+
+    def lower(self):
+        return self
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.")
+
+
+def test_auto_passes_over_what_the_compiler_refuses(checkpoints):
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    auto = eqx_tx.ComputeConfig(attention="xla", remat="auto")
+    real = _figures(init_train_state(model, TrainConfig(optimizer=OPT)), _batch(model.config.vocab_size), auto)
+
+    chosen, figures = choose_remat(lambda c: _Refused(real(c)) if c.remat in ("none", "dots") else real(c), auto,
+                                   budget_bytes=2**40)
+    assert [f.refused for f in figures[:3]] == [True, True, False]
+    assert (chosen.remat, chosen.remat_names) == ("names", ("q", "k", "v", "attention", "mlp_hidden"))
+    with pytest.raises(ValueError, match="the compiler refused every one as too big for the device"):
+        choose_remat(lambda c: _Refused(real(c)), auto, budget_bytes=2**40)
+
+
 def test_train_step_resolves_auto_and_equals_full(checkpoints):
     model = eqx_tx.load(checkpoints["mha_tied"], progress=False)
     batch = _batch(model.config.vocab_size, seed=3)
