@@ -119,9 +119,9 @@ def choose_remat(
     )
     if chosen is None:
         measured = [f for f in figures if f.device_bytes is not None]
-        smallest = (f"the smallest is {min(measured, key=lambda f: f.device_bytes or 0).label} at "
-                    f"{min(f.device_bytes or 0 for f in measured) / 2**30:.2f} GiB" if measured
-                    else "the compiler refused every one as too big for the device")
+        least = min(measured, key=lambda f: f.device_bytes or 0) if measured else None
+        smallest = ("the compiler refused every one as too big for the device" if least is None
+                    else f"the smallest is {least.label} at {(least.device_bytes or 0) / 2**30:.2f} GiB")
         raise ValueError(
             f'remat="auto": no policy fits the budget of {budget_bytes / 2**30:.2f} GiB per device; {smallest} '
             f"({table}). Use a smaller batch, micro_batches, sequence parallelism or more devices."

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 
 from .._log import log_once
 from ..compute import AttentionImpl, ComputeConfig
-from ..sharding import AnyMesh, current_mesh, logical_to_spec, mesh_axis_size
+from ..sharding import AnyMesh, current_mesh, mesh_axis_size
 from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
