@@ -39,9 +39,9 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.presets import preset
-from eqx_tx.sampling import SamplingParams
-from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
+from eqx_tx.models.presets import preset
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 from model_flops import decode_bytes_per_token, matmul_params, prefill_flops, train_flops
 from timing import median_times
 
@@ -63,7 +63,7 @@ SAMPLED: dict[str, Any] = dict(temperature=0.7, top_k=20, top_p=0.95)
 @dataclasses.dataclass
 class Args:
     preset: str = "qwen3-0.6b"
-    """Model shape (`eqx_tx.presets`); the weights are random."""
+    """Model shape (`eqx_tx.models.presets`); the weights are random."""
     decode_batches: tuple[int, ...] = (1, 16)
     decode_prompt: int = 128
     decode_tokens: int = 128
@@ -79,7 +79,7 @@ class Args:
     train_seq_len: int = 2048
     remats: tuple[str, ...] = ("full", "dots")
     remat_names: tuple[str, ...] = ("attention",)
-    """What `remat="names"` keeps (`eqx_tx.compute.CHECKPOINT_NAMES`)."""
+    """What `remat="names"` keeps (`eqx_tx.core.compute.CHECKPOINT_NAMES`)."""
     attentions: tuple[str, ...] = ("auto", "xla")
     tiles: tuple[int, ...] = ()
     """Attention tile sizes (block_q = block_kv) to train each tiled attention of

@@ -32,11 +32,11 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.data import Examples
+from eqx_tx.train.data import Examples
 from eqx_tx.kernels.dispatch import dot_product_attention
 from eqx_tx.kernels.flash import flash_attention
-from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
-from eqx_tx.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
+from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
 
 
 @dataclasses.dataclass

@@ -35,9 +35,9 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.host_memory import reexec_with_retaining_malloc
-from eqx_tx.presets import PRESETS
-from eqx_tx.sampling import SamplingParams
+from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc
+from eqx_tx.models.presets import PRESETS
+from eqx_tx.infer.sampling import SamplingParams
 
 
 @dataclasses.dataclass

@@ -19,8 +19,8 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.generation import generate, teacher_forced_logits
-from eqx_tx.sampling import SamplingParams
+from eqx_tx.infer.generation import generate, teacher_forced_logits
+from eqx_tx.infer.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def main(args: Args) -> None:
 
         model = eqx_tx.load(args.trained, progress=False)
         tok = Tokenizer.from_file(os.path.join(args.trained, "tokenizer.json"))
-        from eqx_tx.data import TINY_STORIES, read_jsonl
+        from eqx_tx.train.data import TINY_STORIES, read_jsonl
 
         texts = [r["text"] for r in read_jsonl(TINY_STORIES)[: args.prompts]]
         prompts = [tok.encode(t).ids[: args.prompt_len] for t in texts]

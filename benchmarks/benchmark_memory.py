@@ -47,7 +47,7 @@ if __name__ == "__main__":  # before JAX starts: compile-only GPU targets live o
     if "--measure" not in sys.argv or "compile" in sys.argv[sys.argv.index("--measure") + 1 :][:1]:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-from eqx_tx.compute import RematPolicy  # noqa: E402  (after the platform is chosen)
+from eqx_tx.core.compute import RematPolicy  # noqa: E402  (after the platform is chosen)
 
 STAGES = {
     0: dict(attention="xla", skip_full_logits=False, remat="none", loss_chunk_size=0),
@@ -136,7 +136,7 @@ def stage_settings(args: Args, stage: int) -> dict:
 def _config(args: Args):
     import eqx_tx
     from eqx_tx.models.config import read_hf_config
-    from eqx_tx.presets import PRESETS
+    from eqx_tx.models.presets import PRESETS
 
     if args.model in PRESETS:
         return PRESETS[args.model]
@@ -153,7 +153,7 @@ def _compute(args: Args, settings):
 
 
 def _train_config(args: Args, settings):
-    from eqx_tx.training import TrainConfig
+    from eqx_tx.train.training import TrainConfig
 
     chunk = settings["loss_chunk_size"] or None
     return TrainConfig(loss_chunk_size=chunk, compute=_compute(args, settings), offload_optimizer=args.offload_optimizer)
@@ -163,11 +163,11 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
     import jax
     import jax.numpy as jnp
 
-    from eqx_tx.hlo import format_summary, per_layer_summary
-    from eqx_tx.memory import (MemoryFigures, abstract_train_inputs, compile_engine_step, compile_sampling,
+    from eqx_tx.core.hlo import format_summary, per_layer_summary
+    from eqx_tx.analysis.memory import (MemoryFigures, abstract_train_inputs, compile_engine_step, compile_sampling,
                                 compile_train_step)
-    from eqx_tx.remat_auto import remat_label
-    from eqx_tx.training import resolve_remat
+    from eqx_tx.train.remat_auto import remat_label
+    from eqx_tx.train.training import resolve_remat
 
     settings = stage_settings(args, stage)
     start = time.perf_counter()
@@ -219,10 +219,10 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
     import numpy as np
 
     import eqx_tx
-    from eqx_tx.generation import generate
+    from eqx_tx.infer.generation import generate
     from eqx_tx.layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora
-    from eqx_tx.sampling import SamplingParams
-    from eqx_tx.training import Batch, init_train_state, train_step
+    from eqx_tx.infer.sampling import SamplingParams
+    from eqx_tx.train.training import Batch, init_train_state, train_step
 
     settings = stage_settings(args, stage)
     config = _config(args)
@@ -373,7 +373,7 @@ def main(args: Args) -> None:
     if args.measure == "compile":
         import jax.numpy as jnp
 
-        from eqx_tx.memory import abstract_sharded_model, target_mesh
+        from eqx_tx.analysis.memory import abstract_sharded_model, target_mesh
 
         mesh = target_mesh(args.target, ep=args.ep, sp=args.sp, tp=args.tp)
         rank = 0 if (args.mode != "train" or args.full_finetune) else args.lora_rank

@@ -21,9 +21,9 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.forward import init_model
-from eqx_tx.host_memory import reexec_with_retaining_malloc
-from eqx_tx.sampling import SamplerArrays, SamplingParams, sample_batch, sample_token
+from eqx_tx.train.forward import init_model
+from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc
+from eqx_tx.infer.sampling import SamplerArrays, SamplingParams, sample_batch, sample_token
 from timing import median_times
 
 

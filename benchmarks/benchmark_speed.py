@@ -21,7 +21,7 @@ forward pass `remat="full"` runs twice; batch-1 decode at the bandwidth roofline
 
 Every figure is the median of `--repeats` timed runs after a warm-up, eqx_tx and HF
 interleaved. Compilation is excluded (reported separately). The process runs with
-the retaining allocator of `eqx_tx.host_memory` (as the tools do), which both sides
+the retaining allocator of `eqx_tx.analysis.host_memory` (as the tools do), which both sides
 share; `EQX_TX_SYSTEM_MALLOC=1` runs with glibc's defaults instead.
 
     python benchmarks/benchmark_speed.py
@@ -40,11 +40,11 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.generation import generate, prefill
-from eqx_tx.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
+from eqx_tx.infer.generation import generate, prefill
+from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
 from eqx_tx.models.transformer import new_cache
-from eqx_tx.sampling import SamplingParams
-from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 from model_flops import decode_bytes_per_token, prefill_flops, train_flops
 from timing import median_times
 

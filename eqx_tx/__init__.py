@@ -1,22 +1,22 @@
 """eqx_tx: memory-first training and sampling of Hugging Face LLMs in JAX + Equinox."""
 
-from ._log import enable_console_logging
-from .adapters import load_adapter, load_adapter_bank, save_adapter
-from .batch import Batch
-from .compute import ComputeConfig
-from .engine import Engine, TokenEvent
-from .forward import init_model, logits
-from .generation import Generation, generate, generate_text
+from .core.log import enable_console_logging
+from .io.adapters import load_adapter, load_adapter_bank, save_adapter
+from .train.batch import Batch
+from .core.compute import ComputeConfig
+from .infer.engine import Engine, TokenEvent
+from .train.forward import init_model, logits
+from .infer.generation import Generation, generate, generate_text
 from .layers.lora import adapter_slot, apply_lora, merge_lora, select_adapters, set_adapter_slot
-from .loading import load
-from .loss import token_logprobs, weighted_cross_entropy
-from .policy import PolicyLoss, policy_loss
+from .io.loading import load
+from .train.loss import token_logprobs, weighted_cross_entropy
+from .train.policy import PolicyLoss, policy_loss
 from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, config_from_hf
-from .sampling import SamplingParams
-from .saving import save
-from .sharding import RULES, make_mesh, shard
-from .text import Tokenizer, apply_chat_template, load_tokenizer
-from .training import OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
+from .infer.sampling import SamplingParams
+from .io.saving import save
+from .core.sharding import RULES, make_mesh, shard
+from .infer.text import Tokenizer, apply_chat_template, load_tokenizer
+from .train.training import OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
 
 __all__ = [
     "Batch",

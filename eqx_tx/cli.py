@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import tyro
 
-from .host_memory import reexec_with_retaining_malloc
+from .analysis.host_memory import reexec_with_retaining_malloc
 
 A = TypeVar("A")
 
@@ -19,7 +19,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, KeyError, Runt
 def run_tool(main: Callable[[A], object], args_type: type[A]) -> None:
     """Parse `args_type` from the command line with tyro and run `main` on it.
 
-    XLA:CPU buffers are kept mapped between steps first (`eqx_tx.host_memory`).
+    XLA:CPU buffers are kept mapped between steps first (`eqx_tx.analysis.host_memory`).
     An error in `USER_ERRORS` ends the process with `error: <message>` on stderr
     and status 2 (`EQX_TX_DEBUG=1`: the traceback instead).
     """
@@ -50,7 +50,7 @@ def check_resume(checkpoint_dir: str, settings: dict) -> None:
     """Raise if the newest checkpoint in `checkpoint_dir` was saved by a run with other
     `settings` (JSON values, compared with its metadata): `--resume` continues a run, it
     does not start a different one from its weights."""
-    from .checkpoint import read_metadata
+    from .train.checkpoint import read_metadata
 
     meta = read_metadata(checkpoint_dir)
     changed = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}

@@ -1,7 +1,7 @@
 """`tools/train.py`, except that process 1 dies after writing its checkpoint shards of
 step 4, before the commit: a crash mid-save, for `test_multihost`.
 
-The crash comes through `eqx_tx.checkpoint._after_shards_written`, the save path's
+The crash comes through `eqx_tx.train.checkpoint._after_shards_written`, the save path's
 test-only hook, replaced here; the library itself never reads a fault setting.
 """
 
@@ -9,7 +9,7 @@ import os
 import runpy
 import sys
 
-import eqx_tx.checkpoint
+import eqx_tx.train.checkpoint
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "train.py")
 
@@ -21,6 +21,6 @@ def _die_at_step_4(step: int) -> None:
         os._exit(17)
 
 
-eqx_tx.checkpoint._after_shards_written = _die_at_step_4
+eqx_tx.train.checkpoint._after_shards_written = _die_at_step_4
 sys.argv = [TRAIN, *sys.argv[1:]]
 runpy.run_path(TRAIN, run_name="__main__")

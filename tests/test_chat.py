@@ -10,11 +10,11 @@ import tokenizers
 from transformers import AutoTokenizer
 
 import eqx_tx
-from eqx_tx.data import Examples, tokenize
-from eqx_tx.generation import generate
-from eqx_tx.saving import tokenizer_files
-from eqx_tx.data import TINY_TOKENIZER
-from eqx_tx.text import sampling_defaults
+from eqx_tx.train.data import Examples, tokenize
+from eqx_tx.infer.generation import generate
+from eqx_tx.io.saving import tokenizer_files
+from eqx_tx.train.data import TINY_TOKENIZER
+from eqx_tx.infer.text import sampling_defaults
 from tests.tools_util import load_tool
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")
@@ -80,7 +80,7 @@ def test_template_errors_are_clear(tmp_path):
     ours = eqx_tx.load_tokenizer(_directory(tmp_path, "tracked"))
     with pytest.raises(ValueError, match="chat template: the first message must be the system prompt"):
         ours.apply_chat_template(CHATS[0])
-    bare = eqx_tx.text.Tokenizer.from_file(TINY_TOKENIZER)
+    bare = eqx_tx.infer.text.Tokenizer.from_file(TINY_TOKENIZER)
     with pytest.raises(ValueError, match="has no chat template"):
         bare.apply_chat_template(CHATS[0])
 

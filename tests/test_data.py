@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from eqx_tx.data import Examples
-from eqx_tx.forward import check_segment_ids
+from eqx_tx.train.data import Examples
+from eqx_tx.train.forward import check_segment_ids
 
 SEQ = 16
 

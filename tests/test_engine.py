@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.engine import _decode_step
-from eqx_tx.sampling import SamplingParams
+from eqx_tx.infer.engine import _decode_step
+from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
 
 
@@ -171,10 +171,10 @@ def test_set_model_samples_from_new_weights(checkpoints):
 
 @pytest.mark.parametrize("adapters", [None, 3])
 def test_compiled_engine_steps_read_the_weights_the_pool_and_little_else(adapters):
-    """`eqx_tx.memory.compile_engine_step` (what `benchmark_memory.py --mode engine`
+    """`eqx_tx.analysis.memory.compile_engine_step` (what `benchmark_memory.py --mode engine`
     measures) compiles the engine's own prefill and decode steps, with and without a
     LoRA bank: their arguments are the weights, the page pool and small per-row arrays."""
-    from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_engine_step, target_mesh
+    from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_engine_step, target_mesh
 
     config = eqx_tx.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)

@@ -1,9 +1,9 @@
-"""Matmul FLOPs read from a jaxpr (`eqx_tx.flops`), against counts worked out by hand."""
+"""Matmul FLOPs read from a jaxpr (`eqx_tx.core.flops`), against counts worked out by hand."""
 
 import jax
 import jax.numpy as jnp
 
-from eqx_tx.flops import traced_flops
+from eqx_tx.core.flops import traced_flops
 from eqx_tx.kernels.splash import splash_attention
 
 

@@ -1,4 +1,4 @@
-"""`eqx_tx.host_memory`: the retaining allocator removes XLA:CPU's per-execution page faults."""
+"""`eqx_tx.analysis.host_memory`: the retaining allocator removes XLA:CPU's per-execution page faults."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 # 3 to 7 together (the first ones may still grow the heap, e.g. under load).
 SCRIPT = """
 import resource
-from eqx_tx.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
+from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
 reexec_with_retaining_malloc()
 import jax, jax.numpy as jnp
 step = jax.jit(lambda x: jnp.sum(jnp.outer(x, x) @ jnp.outer(x + 1.0, x)))

@@ -1,8 +1,11 @@
-"""The package's layering: every import points down (or sideways within a level).
+"""The package's layering: subsystems, and every import pointing down.
 
-Levels, lowest first. A module may import modules of its own level or below, never
-above, and the package's import graph has no cycles. Function-level (lazy) imports
-count too. A new module must be given a level here.
+`SUBSYSTEMS` lists every module of the package by its exact name, subsystem by
+subsystem, lowest level first. A module may import modules of its own subsystem or of
+a lower level, never of a higher level nor of another subsystem on its own level (the
+service subsystems `io`, `train` and `infer` know nothing of each other), and the
+import graph has no cycles. Function-level (lazy) imports count too. A module that is
+not listed fails the test: every new module is given its place here.
 """
 
 import ast
@@ -12,28 +15,39 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eqx_tx")
 
-LEVELS = [
-    # helpers with no model knowledge, and how a model is run
-    ["eqx_tx._log", "eqx_tx.util", "eqx_tx.fileio", "eqx_tx.tree", "eqx_tx.compute", "eqx_tx.batch", "eqx_tx.flops"],
-    # the sharding rule table and mesh, process-level facts
-    ["eqx_tx.sharding", "eqx_tx.distributed"],
-    # parameter-free computations: attention kernels and their dispatch, grouped matmuls
-    ["eqx_tx.kernels"],
-    # modules with parameters
-    ["eqx_tx.layers"],
-    # model families and named configurations
-    ["eqx_tx.models", "eqx_tx.presets"],
-    # running and storing one model
-    ["eqx_tx.hf_params", "eqx_tx.forward", "eqx_tx.loss", "eqx_tx.policy", "eqx_tx.bank_optimizer", "eqx_tx.token_budget", "eqx_tx.sampling",
-     "eqx_tx.loading", "eqx_tx.saving", "eqx_tx.adapters", "eqx_tx.data", "eqx_tx.hlo", "eqx_tx.memory_figures", "eqx_tx.remat_auto", "eqx_tx.chat", "eqx_tx.page_pool",
-     "eqx_tx.text"],
-    # training and generation, their checkpoints, RL rollouts
-    ["eqx_tx.training", "eqx_tx.generation", "eqx_tx.engine", "eqx_tx.server", "eqx_tx.checkpoint", "eqx_tx.rl"],
-    # compile-time analysis of the jitted workflows
-    ["eqx_tx.memory"],
+
+def _names(package: str, *modules: str) -> tuple[str, ...]:
+    return (package,) + tuple(f"{package}.{m}" for m in modules)
+
+
+# Levels, lowest first; each level maps a subsystem to its modules.
+SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
+    {"core": _names("eqx_tx.core", "log", "util", "fileio", "tree", "compute", "sharding", "distributed", "flops",
+                    "hlo", "memory_figures")},
+    {"kernels": _names("eqx_tx.kernels", "mask", "quantized", "flash", "ring", "splash", "sdpa", "shared_prefix",
+                       "paged", "dispatch", "grouped_ffn", "topk")},
+    {"cache": _names("eqx_tx.cache", "storage", "base", "dense", "shared_prefix", "paged", "allocate")},
+    {"layers": _names("eqx_tx.layers", "linear", "norm", "rope", "inputs", "attention", "mlp", "moe", "block",
+                      "lora")},
+    {"models": _names("eqx_tx.models", "config", "transformer", "llama", "qwen2", "qwen3", "qwen3_moe", "presets")},
+    {
+        "io": _names("eqx_tx.io", "hf_params", "loading", "saving", "adapters"),
+        "train": _names("eqx_tx.train", "batch", "data", "token_budget", "forward", "loss", "policy",
+                        "bank_optimizer", "remat_auto", "training", "checkpoint"),
+        "infer": _names("eqx_tx.infer", "chat", "sampling", "text", "page_pool", "config", "steps", "scheduler",
+                        "runner", "generation", "engine"),
+    },
+    {
+        "rl": _names("eqx_tx.rl", "rollouts"),
+        "serve": _names("eqx_tx.serve", "loop", "openai"),
+        "analysis": _names("eqx_tx.analysis", "host_memory", "memory"),
+    },
+    # the tools' entry point
+    {"cli": ("eqx_tx.cli",)},
     # the public API
-    ["eqx_tx"],
+    {"api": ("eqx_tx",)},
 ]
+PLACE = {m: (level, subsystem) for level, group in enumerate(SUBSYSTEMS) for subsystem, ms in group.items() for m in ms}
 
 
 def _modules() -> dict[str, str]:
@@ -47,16 +61,15 @@ def _modules() -> dict[str, str]:
     return found
 
 
-def _level(module: str) -> int:
-    best = None
-    for i, prefixes in enumerate(LEVELS):
-        for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), i)
-    if best is None:
-        raise AssertionError(f"{module} has no level in tests/test_imports.py LEVELS")
-    return best[1]
+def _place(module: str) -> tuple[int, str]:
+    if module not in PLACE:
+        raise AssertionError(f"{module} has no place in tests/test_imports.py SUBSYSTEMS")
+    return PLACE[module]
+
+
+def _allowed(module: str, dep: str) -> bool:
+    (level, subsystem), (dep_level, dep_subsystem) = _place(module), _place(dep)
+    return dep_subsystem == subsystem or dep_level < level
 
 
 def _imports(module: str, path: str, known: set[str]) -> set[str]:
@@ -87,13 +100,37 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(m, p, known) - {m} for m, p in modules.items()}
 
 
+def test_every_module_has_a_place():
+    """Exactly the package's modules are listed: none missing, none stale."""
+    modules = set(_modules())
+    assert sorted(modules - set(PLACE)) == [], "modules without a place in SUBSYSTEMS"
+    assert sorted(set(PLACE) - modules) == [], "SUBSYSTEMS lists modules that do not exist"
+
+
 def test_every_import_points_down():
-    upward = []
+    wrong = []
     for module, deps in sorted(_graph().items()):
         for dep in sorted(deps):
-            if _level(dep) > _level(module):
-                upward.append(f"{module} (level {_level(module)}) imports {dep} (level {_level(dep)})")
-    assert not upward, "imports pointing up:\n" + "\n".join(upward)
+            if not _allowed(module, dep):
+                wrong.append(f"{module} {_place(module)} imports {dep} {_place(dep)}")
+    assert not wrong, "imports pointing up or across:\n" + "\n".join(wrong)
+
+
+def test_no_private_names_cross_modules():
+    """No module imports another module's `_private` name (tools and benchmarks too)."""
+    root = os.path.dirname(PACKAGE)
+    found = []
+    for folder in ("eqx_tx", "tools", "benchmarks"):
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("eqx_tx")):
+                        found += [f"{os.path.relpath(path, root)}: {a.name}" for a in node.names
+                                  if a.name.startswith("_")]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
 
 
 def test_no_import_cycles():
@@ -122,4 +159,16 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     known = set(_modules())
     deps = _imports("eqx_tx.layers.attention", str(path), known)
     assert deps == {"eqx_tx.models", "eqx_tx.kernels.flash"}
-    assert _level("eqx_tx.models") > _level("eqx_tx.layers.attention")
+    assert not _allowed("eqx_tx.layers.attention", "eqx_tx.models")
+    assert _allowed("eqx_tx.layers.attention", "eqx_tx.kernels.flash")
+
+
+def test_the_checker_refuses_arrows_between_service_subsystems():
+    assert not _allowed("eqx_tx.train.training", "eqx_tx.infer.sampling")
+    assert not _allowed("eqx_tx.infer.engine", "eqx_tx.io.loading")
+    assert _allowed("eqx_tx.serve.openai", "eqx_tx.infer.engine")
+
+
+def test_an_unlisted_module_fails():
+    with pytest.raises(AssertionError, match="no place"):
+        _place("eqx_tx.somewhere_new")

@@ -65,7 +65,7 @@ def test_save_replaces_atomically_and_failure_keeps_previous(checkpoints, tmp_pa
     eqx_tx.save(model, out)
     before = load_file(str(out / "model.safetensors"))
 
-    import eqx_tx.saving as saving
+    import eqx_tx.io.saving as saving
 
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")

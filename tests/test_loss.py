@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.forward import _logits, lengths_from_mask
-from eqx_tx.hf_params import hf_tensors
-from eqx_tx.loss import chunked_logprobs, chunked_scores, token_logprobs, weighted_cross_entropy
+from eqx_tx.train.forward import _logits, lengths_from_mask
+from eqx_tx.io.hf_params import hf_tensors
+from eqx_tx.train.loss import chunked_logprobs, chunked_scores, token_logprobs, weighted_cross_entropy
 from tests.hf_utils import hf_model, ragged_batch
 
 LENGTHS = [9, 6]  # batch*seq = 18 tokens

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from eqx_tx.checkpoint import IncompleteCheckpointError, latest_checkpoint, read_metadata
+from eqx_tx.train.checkpoint import IncompleteCheckpointError, latest_checkpoint, read_metadata
 from tests.tools_util import TEST_XLA_FLAGS, write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +66,7 @@ def _state(out, step):
 
 def _assemble(pieces: dict) -> dict:
     """Stored shards (`name|box`) reassembled into whole arrays, whatever the layout."""
-    from eqx_tx.checkpoint import _parse_box_key
+    from eqx_tx.train.checkpoint import _parse_box_key
 
     boxes = {}
     for key, value in pieces.items():
@@ -142,8 +142,8 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(checkpoints, d
         latest_checkpoint(root / "step_00000004")
     # The previous checkpoint loads (here, into a one-process state).
     import eqx_tx
-    from eqx_tx.checkpoint import restore_checkpoint
-    from eqx_tx.training import OptimizerConfig, TrainConfig, init_train_state
+    from eqx_tx.train.checkpoint import restore_checkpoint
+    from eqx_tx.train.training import OptimizerConfig, TrainConfig, init_train_state
 
     template = init_train_state(eqx_tx.load(checkpoints["mha_tied"], progress=False),
                                 TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-2, total_steps=6)))

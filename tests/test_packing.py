@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
-from eqx_tx.forward import segment_positions
-from eqx_tx.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.forward import segment_positions
+from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
 from tests.hf_utils import TP_CONFIG, make_hf_checkpoint
 
 T = 27

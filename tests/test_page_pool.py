@@ -1,6 +1,6 @@
 """The host-side page allocator: promises, sharing by prefix, LRU eviction."""
 
-from eqx_tx.page_pool import PagePool
+from eqx_tx.infer.page_pool import PagePool
 
 
 def test_promises_sharing_and_least_recently_used_eviction():

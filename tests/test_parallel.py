@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqx_tx
 from eqx_tx.kernels.ring import load_balanced_order, padded_length, ring_attention
 from eqx_tx.kernels.sdpa import xla_attention
-from eqx_tx.loss import token_logprobs
-from eqx_tx.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.loss import token_logprobs
+from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
 from tests.hf_utils import TP_CONFIG, make_hf_checkpoint, ragged_batch
 
 T = 27  # not a multiple of the ring: padded to 2*sp
@@ -116,7 +116,7 @@ def test_ring_attention_equals_reference_with_padding():
 
 def _saved_bytes_per_layer(dp, sp, tp, sequence_parallel):
     """Slope of compiled temp memory in the number of layers (LoRA: gradients stay tiny)."""
-    from eqx_tx.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
+    from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
 
     temps = []
     for layers in (2, 4):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.forward import _logits
-from eqx_tx.policy import PolicyLoss
+from eqx_tx.train.forward import _logits
+from eqx_tx.train.policy import PolicyLoss
 
 B, T = 4, 10
 LENGTHS = [10, 7, 9, 10]

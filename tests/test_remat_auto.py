@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
 from eqx_tx.layers.lora import apply_lora
-from eqx_tx.remat_auto import choose_remat
-from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, resolve_remat, train_step, train_step_jit
+from eqx_tx.train.remat_auto import choose_remat
+from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, resolve_remat, train_step, train_step_jit
 
 OPT = OptimizerConfig(learning_rate=1e-2, total_steps=4, eps=1e-4)
 
@@ -159,8 +159,8 @@ def test_keeping_the_attention_saves_the_splash_forward(monkeypatch, tmp_path, a
     in every layer, and `auto` ranks it first of the two. The blockwise kernel's
     residuals are not kept: the two tie, and `full` (less memory) stays first."""
     from eqx_tx.kernels import dispatch
-    from eqx_tx.remat_auto import remat_candidates
-    from eqx_tx.flops import traced_flops
+    from eqx_tx.train.remat_auto import remat_candidates
+    from eqx_tx.core.flops import traced_flops
     from tests.hf_utils import make_hf_checkpoint
 
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")  # as compiling for a TPU

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 import eqx_tx
-from eqx_tx.sampling import SamplingParams
+from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
 from tests.tools_util import ROOT, load_tool
 

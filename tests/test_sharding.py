@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqx_tx
-from eqx_tx.sharding import logical_to_spec, make_mesh
+from eqx_tx.core.sharding import logical_to_spec, make_mesh
 from tests.hf_utils import TP_CONFIG, make_hf_checkpoint, ragged_batch
 
 
@@ -95,8 +95,8 @@ def test_rules_refuse_unknown_logical_names():
 
 
 def test_stacked_axes_come_from_the_container_declaration():
-    from eqx_tx.loading import abstract_model
-    from eqx_tx.sharding import logical_axes
+    from eqx_tx.io.loading import abstract_model
+    from eqx_tx.core.sharding import logical_axes
 
     config = eqx_tx.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -114,8 +114,8 @@ def test_optimizer_state_follows_each_parameter_even_when_shapes_collide():
     sharded on different axes; each Adam moment must take its own parameter's sharding."""
     import optax
 
-    from eqx_tx.memory import abstract_sharded_model, abstract_train_state
-    from eqx_tx.training import TrainConfig
+    from eqx_tx.analysis.memory import abstract_sharded_model, abstract_train_state
+    from eqx_tx.train.training import TrainConfig
 
     mesh = make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
     config = eqx_tx.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,

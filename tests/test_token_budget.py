@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.token_budget import pack_by_tokens
+from eqx_tx.train.token_budget import pack_by_tokens
 
 LENGTHS = [40, 7, 12, 5, 30, 9]
 

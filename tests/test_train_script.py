@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from eqx_tx.checkpoint import read_metadata
+from eqx_tx.train.checkpoint import read_metadata
 from tests.tools_util import TEST_XLA_FLAGS, load_tool, tool_args, write_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

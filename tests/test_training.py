@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.adapters import load_adapter, save_adapter
-from eqx_tx.checkpoint import restore_checkpoint, save_checkpoint
-from eqx_tx.hf_params import hf_tensors
+from eqx_tx.io.adapters import load_adapter, save_adapter
+from eqx_tx.train.checkpoint import restore_checkpoint, save_checkpoint
+from eqx_tx.io.hf_params import hf_tensors
 from eqx_tx.layers.lora import LoRALinear, apply_lora, lora_filter, merge_lora
-from eqx_tx.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
+from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 from tests.hf_utils import hf_model, ragged_batch
 
 OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=5, min_lr_ratio=0.2,

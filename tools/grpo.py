@@ -35,8 +35,8 @@ import tyro
 
 from eqx_tx.cli import check_output_dir, check_resume, run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
-from eqx_tx.policy import PolicyLoss
-from eqx_tx.training import OptimizerConfig
+from eqx_tx.train.policy import PolicyLoss
+from eqx_tx.train.training import OptimizerConfig
 
 
 @dataclasses.dataclass
@@ -104,7 +104,7 @@ def load_reward(spec: str):
 
 def load_prompts(spec: str) -> tuple[list[dict], list[dict]]:
     """Training examples and the evaluation set."""
-    from eqx_tx.data import read_jsonl
+    from eqx_tx.train.data import read_jsonl
     from eqx_tx.rl import arithmetic_facts
 
     if spec == "arithmetic":
@@ -162,7 +162,7 @@ class Rollouts:
 
     def __init__(self, args: Args, tokenizer, reward, model, examples: list[dict]):
         import eqx_tx
-        from eqx_tx.util import ceil_div
+        from eqx_tx.core.util import ceil_div
 
         self.args, self.tokenizer, self.reward = args, tokenizer, reward
         self.engine = None
@@ -197,12 +197,12 @@ def main(args: Args) -> None:
     from tqdm.auto import tqdm
 
     import eqx_tx
-    from eqx_tx.checkpoint import restore_checkpoint, save_checkpoint
-    from eqx_tx.loading import resolve_source
+    from eqx_tx.train.checkpoint import restore_checkpoint, save_checkpoint
+    from eqx_tx.io.loading import resolve_source
     from eqx_tx.rl import group_advantages, rollout_batch
-    from eqx_tx.saving import tokenizer_files
-    from eqx_tx.text import Tokenizer
-    from eqx_tx.training import TrainConfig
+    from eqx_tx.io.saving import tokenizer_files
+    from eqx_tx.infer.text import Tokenizer
+    from eqx_tx.train.training import TrainConfig
 
     eqx_tx.enable_console_logging()
     _check(args)

@@ -1,7 +1,7 @@
 """Start N local processes of a multi-host run (e.g. to try it on one machine).
 
 Each process gets `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
-`JAX_PROCESS_ID` (which `eqx_tx.distributed.initialize` reads) and its own fake CPU
+`JAX_PROCESS_ID` (which `eqx_tx.core.distributed.initialize` reads) and its own fake CPU
 devices; output lines are prefixed with the process id. If one process fails, the
 others are stopped.
 

@@ -18,8 +18,8 @@ from typing import Annotated, Literal
 
 import tyro
 
-from eqx_tx.compute import AttentionImpl
-from eqx_tx.distributed import DistributedArgs
+from eqx_tx.core.compute import AttentionImpl
+from eqx_tx.core.distributed import DistributedArgs
 from eqx_tx.cli import run_tool
 
 DEFAULT_MODEL = "runs/tiny/final"
@@ -97,7 +97,7 @@ def read_prompts(args: Args) -> list[str | list[dict]]:
     """Texts, or chats (lists of messages) from 'messages' records."""
     if args.prompts_file is None:
         return list(args.prompt) or ["Once upon a time,"]
-    from eqx_tx.data import read_jsonl
+    from eqx_tx.train.data import read_jsonl
 
     if args.prompts_file.endswith(".jsonl"):
         records = read_jsonl(args.prompts_file, fields=("prompt", "text", "messages"), what="prompts file")
@@ -117,18 +117,18 @@ def main(args: Args) -> None:
             f"no model at {DEFAULT_MODEL}: create it with `python tools/train.py` (about a minute), "
             "or pass --model"
         )
-    from eqx_tx.distributed import initialize, is_main_process
+    from eqx_tx.core.distributed import initialize, is_main_process
 
     initialize(args.distributed)  # before anything touches a device
     import jax
     import jax.numpy as jnp
 
     import eqx_tx
-    from eqx_tx.generation import generate
+    from eqx_tx.infer.generation import generate
 
     eqx_tx.enable_console_logging()
-    from eqx_tx.loading import resolve_source
-    from eqx_tx.sampling import SamplingParams
+    from eqx_tx.io.loading import resolve_source
+    from eqx_tx.infer.sampling import SamplingParams
 
     prompts = read_prompts(args)
     directory = resolve_source(args.model)

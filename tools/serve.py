@@ -19,7 +19,7 @@ import os
 from typing import Literal
 
 from eqx_tx.cli import run_tool
-from eqx_tx.compute import AttentionImpl
+from eqx_tx.core.compute import AttentionImpl
 
 
 @dataclasses.dataclass
@@ -52,8 +52,8 @@ def build(args: Args):
     import jax.numpy as jnp
 
     import eqx_tx
-    from eqx_tx.loading import resolve_source
-    from eqx_tx.server import EngineLoop, build_app
+    from eqx_tx.io.loading import resolve_source
+    from eqx_tx.serve.openai import EngineLoop, build_app
 
     directory = resolve_source(args.model)
     dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}

@@ -19,11 +19,11 @@ from typing import Annotated, Literal
 
 import tyro
 
-from eqx_tx.data import LongSequences, Packing
-from eqx_tx.distributed import DistributedArgs
+from eqx_tx.train.data import LongSequences, Packing
+from eqx_tx.core.distributed import DistributedArgs
 from eqx_tx.cli import check_output_dir, check_resume, run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
-from eqx_tx.training import OptimizerConfig, TrainConfig
+from eqx_tx.train.training import OptimizerConfig, TrainConfig
 
 # The tiny preset's run: 150 steps at 3e-3 learn the shipped stories in about a minute.
 DEFAULT_TRAIN = TrainConfig(optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=10, total_steps=150))
@@ -103,10 +103,10 @@ def _source(args: Args):
     """The model's config, its checkpoint directory (None for a preset) and its
     `tokenizer.json` (None if there is none)."""
     import eqx_tx
-    from eqx_tx.data import TINY_TOKENIZER
-    from eqx_tx.loading import resolve_source
+    from eqx_tx.train.data import TINY_TOKENIZER
+    from eqx_tx.io.loading import resolve_source
     from eqx_tx.models.config import read_hf_config
-    from eqx_tx.presets import PRESETS, preset
+    from eqx_tx.models.presets import PRESETS, preset
 
     if args.model in PRESETS:
         return preset(args.model), None, TINY_TOKENIZER if args.model == "tiny" else None
@@ -120,7 +120,7 @@ def _source(args: Args):
 
 
 def _examples(args: Args, config, tokenizer, main_process: bool):
-    from eqx_tx.data import TINY_STORIES, Examples, max_token_id, read_jsonl, tokenize
+    from eqx_tx.train.data import TINY_STORIES, Examples, max_token_id, read_jsonl, tokenize
     from eqx_tx.rl import arithmetic_facts
 
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
@@ -162,7 +162,7 @@ def _model(args: Args, config, source_dir, mesh):
 
 
 def _run_metadata(args: Args) -> dict:
-    from eqx_tx.data import TINY_STORIES
+    from eqx_tx.train.data import TINY_STORIES
 
     data = args.data if args.data == "arithmetic" else os.path.abspath(args.data or TINY_STORIES)
     return {
@@ -175,9 +175,9 @@ def _train(args: Args, state, examples, mesh, checkpoint_dir: str, main_process:
     """The step loop. **Returns** the final state, or `None` after `--stop-after`."""
     from tqdm.auto import tqdm
 
-    from eqx_tx.checkpoint import save_checkpoint
-    from eqx_tx.distributed import global_batch, local_rows, to_host
-    from eqx_tx.training import train_step
+    from eqx_tx.train.checkpoint import save_checkpoint
+    from eqx_tx.core.distributed import global_batch, local_rows, to_host
+    from eqx_tx.train.training import train_step
 
     rows = local_rows(mesh, args.batch_size)  # this process's share of every batch
     start = int(to_host(state.step))
@@ -216,7 +216,7 @@ def _train(args: Args, state, examples, mesh, checkpoint_dir: str, main_process:
 def _export(args: Args, model, source_dir, tokenizer_path, main_process: bool) -> None:
     """The final HF checkpoint (LoRA: merged, plus the PEFT adapter)."""
     import eqx_tx
-    from eqx_tx.saving import tokenizer_files
+    from eqx_tx.io.saving import tokenizer_files
 
     final_dir = os.path.join(args.output_dir, "final")
     if args.lora_rank > 0:
@@ -231,15 +231,15 @@ def _export(args: Args, model, source_dir, tokenizer_path, main_process: bool) -
 
 
 def main(args: Args) -> None:
-    from eqx_tx.distributed import initialize
+    from eqx_tx.core.distributed import initialize
 
     initialize(args.distributed)  # before anything touches a device
     import jax
-    from eqx_tx.text import Tokenizer
+    from eqx_tx.infer.text import Tokenizer
 
     import eqx_tx
-    from eqx_tx.checkpoint import restore_checkpoint
-    from eqx_tx.distributed import is_main_process
+    from eqx_tx.train.checkpoint import restore_checkpoint
+    from eqx_tx.core.distributed import is_main_process
 
     eqx_tx.enable_console_logging()
     main_process = is_main_process()

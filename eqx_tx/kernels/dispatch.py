@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._log import log_once
-from ..compute import AttentionImpl, ComputeConfig
-from ..sharding import AnyMesh, current_mesh, mesh_axis_size
+from ..core.log import log_once
+from ..core.compute import AttentionImpl, ComputeConfig
+from ..core.sharding import AnyMesh, current_mesh, mesh_axis_size
 from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..util import round_up
+from ..core.util import round_up
 from .quantized import Quantized
 
 

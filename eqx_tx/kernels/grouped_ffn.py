@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..util import ceil_div, round_up
+from ..core.util import ceil_div, round_up
 
 
 def grouped_ffn(

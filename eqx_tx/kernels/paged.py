@@ -1,7 +1,7 @@
 """Attention over a paged KV cache, walking each sequence's pages block by block.
 
 Keys/values live in a pool `[layers, pages, page_size, kv_heads, head_dim]`
-(`eqx_tx.layers.paged_kv_cache`); a page table `[batch, pages_per_seq]` lists each
+(`eqx_tx.cache.paged`); a page table `[batch, pages_per_seq]` lists each
 sequence's pages in order. A `fori_loop` visits blocks of `block_pages` pages up to
 the longest sequence's length (a dynamic bound: nothing recompiles as sequences
 grow, and no work is done past the longest one), gathers those pages of every

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .._log import log_once
-from ..sharding import logical_to_spec
-from ..util import round_up
+from ..core.log import log_once
+from ..core.sharding import logical_to_spec
+from ..core.util import round_up
 from .flash import flash_backward, flash_forward, merge_partials, prepare_blocks
 
 AXIS = "sp"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..sharding import AnyMesh
+from ..core.sharding import AnyMesh
 from .flash import flash_attention
 from .quantized import Quantized
 from .splash import splash_attention

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ..sharding import AnyMesh, logical_to_spec
-from ..util import round_up
+from ..core.sharding import AnyMesh, logical_to_spec
+from ..core.util import round_up
 
 LANES = 128
 # Keys per inner step of a key/value tile. On a TPU v5e (B=4, T=2048, 16 query and 8

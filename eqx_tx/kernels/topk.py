@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..util import ceil_div
+from ..core.util import ceil_div
 
 
 def top_k(

@@ -1,2 +1,5 @@
-"""Modules with parameters: linear projections, norms, rotary embeddings, attention, MLPs, MoE, the
-decoder block and its scan, the KV cache, LoRA."""
+"""Modules with parameters: linear projections, norms, rotary embeddings, attention, MLPs,
+MoE, LoRA, the decoder block and the scan over a stack of them, and `LayerInputs`
+(`inputs`: what every layer receives besides its hidden states).
+
+May import: `eqx_tx.core`, `eqx_tx.kernels`, `eqx_tx.cache`."""

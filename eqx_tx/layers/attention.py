@@ -6,15 +6,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._log import log_once
-from ..compute import ComputeConfig
+from ..core.log import log_once
+from ..core.compute import ComputeConfig
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.paged import paged_attention
 from ..kernels.ring import ring_attention
 from ..kernels.sdpa import attend
 from ..kernels.shared_prefix import shared_prefix_attention
-from ..sharding import AnyMesh, constrain, mesh_axis_size
-from .kv_cache import Cache, KVCache, PagedKVCache, SharedPrefixCache
+from ..core.sharding import AnyMesh, constrain, mesh_axis_size
+from ..cache.dense import Cache, KVCache, PagedKVCache, SharedPrefixCache
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope

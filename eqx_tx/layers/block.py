@@ -6,10 +6,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from ..compute import LAYER_INPUT, ComputeConfig
-from ..sharding import AnyMesh, constrain
+from ..core.compute import LAYER_INPUT, ComputeConfig
+from ..core.sharding import AnyMesh, constrain
 from .attention import Attention, AttentionMask
-from .kv_cache import Cache
+from ..cache.dense import Cache
 from .mlp import GatedMLP
 from .moe import MoE, RouterStats
 from .norm import RMSNorm

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..sharding import HasAxes, current_mesh, mesh_axis_size
+from ..core.sharding import HasAxes, current_mesh, mesh_axis_size
 
 
 class Linear(HasAxes):

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from ..sharding import HasAxes
-from ..util import concrete_value
+from ..core.sharding import HasAxes
+from ..core.util import concrete_value
 from .linear import Linear
 from .moe import MoE
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..sharding import constrain
+from ..core.sharding import constrain
 from .linear import Linear
 
 

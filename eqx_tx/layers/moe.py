@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ..kernels.grouped_ffn import grouped_ffn
-from ..sharding import AnyMesh, logical_to_spec, mesh_axis_size
-from ..tree import stacked
+from ..core.sharding import AnyMesh, logical_to_spec, mesh_axis_size
+from ..core.tree import stacked
 from .linear import Linear
 from .mlp import GatedMLP
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..sharding import HasAxes
+from ..core.sharding import HasAxes
 
 
 class RMSNorm(HasAxes):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from .._log import log_once
+from ..core.log import log_once
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 

@@ -2,7 +2,7 @@
 
 The pytree mirrors Hugging Face's module tree (`model.embed_tokens`,
 `model.layers`, `model.norm`, `lm_head`), so a parameter's path is its HF key, with
-the layer index inserted for the stacked `model.layers` (`eqx_tx.tree.stacked`).
+the layer index inserted for the stacked `model.layers` (`eqx_tx.core.tree.stacked`).
 """
 
 import functools
@@ -13,18 +13,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..compute import ComputeConfig
+from ..core.compute import ComputeConfig
 from ..layers.attention import Attention, AttentionMask
 from ..layers.block import DecoderBlock, run_stack
-from ..layers.kv_cache import Cache, KVCache, SharedPrefixCache
-from ..layers.paged_kv_cache import PagedKVCache
+from ..cache.dense import Cache, KVCache, SharedPrefixCache
+from ..cache.paged import PagedKVCache
 from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE, RouterStats
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
-from ..sharding import abstract_with_shardings, constrain, current_mesh, tree_shardings
-from ..tree import stacked
+from ..core.sharding import abstract_with_shardings, constrain, current_mesh, tree_shardings
+from ..core.tree import stacked
 from .config import TransformerConfig
 
 

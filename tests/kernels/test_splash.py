@@ -12,7 +12,7 @@ import eqx_tx
 from eqx_tx.kernels import dispatch
 from eqx_tx.kernels.sdpa import xla_attention
 from eqx_tx.kernels.splash import splash_attention, splash_tile
-from eqx_tx.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
 from tests.hf_utils import make_hf_checkpoint
 
 B, T, H, HKV, K = 3, 256, 4, 2, 64
@@ -162,7 +162,7 @@ def test_prefill_from_position_0_runs_splash_over_its_own_keys(monkeypatch, tmp_
     two xla chunks, whose second chunk reads the first's keys from the cache (at every
     prompt slot; splash lets padding queries see padding keys, and decode overwrites
     those slots before it reads them)."""
-    from eqx_tx.generation import prefill
+    from eqx_tx.infer.generation import prefill
     from eqx_tx.kernels import sdpa
     from eqx_tx.models.transformer import new_cache
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.training import _coefficients, _loss_and_grads
+from eqx_tx.train.training import _coefficients, _loss_and_grads
 from tests.hf_utils import ragged_batch
 from tests.lora_util import perturbed_adapters
 

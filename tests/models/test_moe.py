@@ -11,7 +11,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
-from eqx_tx.forward import positions_for
+from eqx_tx.train.forward import positions_for
 from eqx_tx.layers.attention import AttentionMask
 from eqx_tx.layers.lora import apply_lora
 from tests.hf_utils import hf_model, ragged_batch
@@ -49,7 +49,7 @@ def test_router_logits_layer_outputs_and_aux_loss_match_hf(moe_path):
 
 
 def test_train_step_adds_the_load_balancing_loss(moe_path):
-    from eqx_tx.training import Batch, TrainConfig, init_train_state, train_step
+    from eqx_tx.train.training import Batch, TrainConfig, init_train_state, train_step
 
     model = apply_lora(eqx_tx.load(moe_path, progress=False), rank=2, alpha=4.0,
                        targets=("q_proj", "o_proj"), key=jax.random.key(0))
@@ -81,10 +81,10 @@ def test_no_dense_tokens_by_experts_by_hidden_buffer():
         vocab_size=64, hidden_size=40, intermediate_size=8, moe_intermediate_size=12, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=20, num_experts=16, num_experts_per_tok=2,
     )
-    model = eqx_tx.loading.abstract_model(config, jnp.float32)
+    model = eqx_tx.io.loading.abstract_model(config, jnp.float32)
     B, T = 3, 8  # 24 tokens
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    from eqx_tx.forward import _logits
+    from eqx_tx.train.forward import _logits
 
     hlo = jax.jit(_logits, static_argnames="compute").lower(
         model, ids, jax.ShapeDtypeStruct((B,), jnp.int32), compute=eqx_tx.ComputeConfig()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.forward import _logits, lengths_from_mask
-from eqx_tx.hf_params import hf_tensors
-from eqx_tx.remat_auto import remat_candidates
+from eqx_tx.train.forward import _logits, lengths_from_mask
+from eqx_tx.io.hf_params import hf_tensors
+from eqx_tx.train.remat_auto import remat_candidates
 from tests.hf_utils import hf_logits, hf_model, per_expert, ragged_batch
 
 LENGTHS = [11, 7, 3]

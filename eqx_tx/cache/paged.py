@@ -1,0 +1,99 @@
+"""A paged key/value cache: one pool of fixed-size pages shared by all sequences.
+
+The pool holds `[layers, pages, page_size, kv_heads, head_dim]` keys and values
+(int8 with a float32 scale per token and kv head, as `KVCache`). Each sequence owns
+the pages its page table lists: position `t` of sequence `b` lives in page
+`page_table[b, t // page_size]` at offset `t % page_size`. Page ids equal to the
+pool size mark unallocated entries: writes there are dropped and reads are masked
+by the sequence's length. Pages are handed out and taken back by the host
+(`eqx_tx.infer.engine`), so sequences of any length share one fixed-size pool.
+
+Attention (`eqx_tx.kernels.paged`) walks each sequence's pages block by block up to
+the longest sequence's length, gathering them straight from the pool.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ..kernels.quantized import Quantized
+from ..core.sharding import HasAxes
+from .storage import store_kv, zero_kv
+
+POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
+POOL_SCALE_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads")
+TABLE_AXES = ("cache_table", None)
+
+
+class PagedKVCache(HasAxes):
+    """A page pool of every layer's keys/values and each sequence's page table."""
+
+    k: Array
+    v: Array
+    k_scale: Float[Array, "layers pages page_size kv_heads"] | None
+    v_scale: Float[Array, "layers pages page_size kv_heads"] | None
+    page_table: Int[Array, "batch pages_per_seq"]
+
+    def __init__(self, k, v, k_scale, v_scale, page_table):
+        self.k = k
+        self.v = v
+        self.k_scale = k_scale
+        self.v_scale = v_scale
+        self.page_table = page_table
+
+    @classmethod
+    def zeros(
+        cls, *, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, batch: int,
+        pages_per_seq: int,
+    ) -> "PagedKVCache":
+        """An empty pool with every page-table entry unallocated."""
+        table = jnp.full((batch, pages_per_seq), pages, jnp.int32)
+        return cls(*zero_kv((layers, pages, page_size, kv_heads, head_dim), dtype), table)
+
+    def param_axes(self) -> dict[str, tuple[str | None, ...]]:
+        return {"k": POOL_AXES, "v": POOL_AXES, "k_scale": POOL_SCALE_AXES, "v_scale": POOL_SCALE_AXES,
+                "page_table": TABLE_AXES}
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    def with_table(self, page_table: Int[Array, "batch pages_per_seq"]) -> "PagedKVCache":
+        """The same pool read and written through another page table (other sequences)."""
+        return eqx.tree_at(lambda c: c.page_table, self, page_table)
+
+    def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
+        """The whole key and value pools (as `Quantized` pairs for an int8 pool), for
+        `eqx_tx.kernels.paged.paged_attention`."""
+        if self.quantized:
+            assert self.k_scale is not None and self.v_scale is not None
+            return Quantized(self.k, self.k_scale), Quantized(self.v, self.v_scale)
+        return self.k, self.v
+
+    def write(
+        self,
+        index: Int[Array, ""],
+        k_new: Float[Array, "batch seq kv_heads head_dim"],
+        v_new: Float[Array, "batch seq kv_heads head_dim"],
+        positions: Int[Array, "batch seq"],
+    ) -> "PagedKVCache":
+        """Store `k_new, v_new` of layer `index` at `positions` of each sequence
+        (positions outside its allocated pages: dropped)."""
+        slot = positions // self.page_size
+        inside = (positions >= 0) & (slot < self.page_table.shape[1])
+        page = jnp.take_along_axis(self.page_table, jnp.clip(slot, 0, self.page_table.shape[1] - 1), axis=1)
+        page = jnp.where(inside, page, self.num_pages)  # out of range: dropped
+        offset = positions % self.page_size
+
+        def put(buf, x):
+            return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
+
+        return store_kv(self, put, k_new, v_new)
