@@ -36,7 +36,7 @@ from eqx_tx.train.data import Examples
 from eqx_tx.kernels.dispatch import dot_product_attention
 from eqx_tx.kernels.flash import flash_attention
 from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
-from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.training import Batch, TrainConfig, loss_and_grads
 
 
 @dataclasses.dataclass
@@ -160,7 +160,7 @@ def packed_train_step(args: Args) -> dict[str, float]:
     model = eqx_tx.init_model(config, key=jax.random.key(0))
     params, frozen = eqx.partition(model, eqx.is_array)
     train = TrainConfig(loss_chunk_size=2048, compute=eqx_tx.ComputeConfig(attention="blockwise"))
-    step = jax.jit(_loss_and_grads, static_argnums=4)
+    step = jax.jit(loss_and_grads, static_argnums=4)
 
     def run(ex: Examples):
         b = ex.batch(0, len(ex))

@@ -5,11 +5,11 @@ long-tailed (geometric, mean 64, capped at 512; each request's `max_new_tokens`,
 a random model never says when it is done). Both sides get `--cache-tokens` tokens
 of KV cache:
 
-- static: batches of `cache_tokens / (512 + 512)` requests in arrival order, each
+- static: batches of `max_tokens_in_cache / (512 + 512)` requests in arrival order, each
   batch a `generate` call whose cache rows hold the longest prompt + output and
   which runs until its longest output ends (each batch runs twice: compile, then
   the timed run);
-- engine: a page pool of `cache_tokens` tokens, `--max-seqs` slots, requests
+- engine: a page pool of `--max-tokens-in-cache` tokens, `--max-seqs` slots, requests
   admitted as pages free up (compiled in a warm-up run first).
 
 Reported: generated tokens/s of each and the ratio, the engine's pages in use as a
@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from typing import Annotated
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -37,6 +38,7 @@ import tyro
 import eqx_tx
 from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc
 from eqx_tx.models.presets import PRESETS
+from eqx_tx.infer.config import EngineConfig
 from eqx_tx.infer.sampling import SamplingParams
 
 
@@ -45,11 +47,9 @@ class Args:
     model: str = "tiny"
     """A preset (random weights)."""
     requests: int = 256
-    cache_tokens: int = 16384
-    """KV-cache memory of both sides, in tokens."""
-    max_seqs: int = 128
-    page_size: int = 16
-    prefill_chunk: int = 256
+    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig(
+        max_seqs=128, max_tokens_in_cache=16384, max_seq_len=1024)
+    """The engine; its --max-tokens-in-cache is also the static batches' KV-cache memory."""
     system_tokens: int = 256
     shared_requests: int = 32
     """Requests with the shared system prompt (prefix-cache part)."""
@@ -79,8 +79,7 @@ def run_static(model, requests, batch: int) -> tuple[float, list]:
 
 
 def new_engine(model, args: Args) -> eqx_tx.Engine:
-    return eqx_tx.Engine(model, max_seqs=args.max_seqs, max_tokens_in_cache=args.cache_tokens,
-                         page_size=args.page_size, prefill_chunk=args.prefill_chunk, max_seq_len=1024)
+    return eqx_tx.Engine(model, args.engine)
 
 
 def run_engine(model, args: Args, requests) -> tuple[float, list, float, float]:
@@ -135,10 +134,10 @@ def main(args: Args) -> None:
     model = eqx_tx.init_model(config, key=jax.random.key(0))
     requests = workload(args, config.vocab_size)
     generated = sum(sp.max_new_tokens for _, sp in requests)
-    static_batch = args.cache_tokens // 1024
-    print(f"{args.requests} requests, {generated} tokens to generate, cache {args.cache_tokens} tokens "
-          f"(static: batches of {static_batch} x 1024; engine: {args.cache_tokens // args.page_size} pages of "
-          f"{args.page_size}, {args.max_seqs} slots)")
+    static_batch = args.engine.max_tokens_in_cache // 1024
+    print(f"{args.requests} requests, {generated} tokens to generate, cache {args.engine.max_tokens_in_cache} tokens "
+          f"(static: batches of {static_batch} x 1024; engine: {args.engine.num_pages} pages of "
+          f"{args.engine.page_size}, {args.engine.max_seqs} slots)")
     t_engine, r_engine, utilisation, fill = run_engine(model, args, requests)
     print(f"engine: {t_engine:.1f} s, {generated / t_engine:.0f} tokens/s, while requests wait: pages in use "
           f"{100 * utilisation:.0f}% of the pool, filled {100 * fill:.0f}%")
@@ -147,7 +146,7 @@ def main(args: Args) -> None:
     same = all(a.tokens == b.tokens for a, b in zip(r_engine, r_static))
     prefix = prefix_part(model, args, config.vocab_size)
     result = dict(
-        model=args.model, requests=args.requests, generated_tokens=generated, cache_tokens=args.cache_tokens,
+        model=args.model, requests=args.requests, generated_tokens=generated, cache_tokens=args.engine.max_tokens_in_cache,
         static_batch=static_batch, static_seconds=t_static, engine_seconds=t_engine,
         static_tokens_per_s=generated / t_static, engine_tokens_per_s=generated / t_engine,
         speedup=t_static / t_engine, engine_pool_use_while_waiting=utilisation, engine_page_fill_while_waiting=fill,
@@ -157,12 +156,12 @@ def main(args: Args) -> None:
     lines = [
         f"# Engine vs static batching ({args.model}, random weights, {result['platform']})", "",
         f"Command: `python benchmarks/benchmark_engine.py` ({args.requests} requests, prompts 16-512 tokens, "
-        f"outputs geometric mean 64 capped 512: {generated} tokens; {args.cache_tokens} cache tokens each side)", "",
+        f"outputs geometric mean 64 capped 512: {generated} tokens; {args.engine.max_tokens_in_cache} cache tokens each side)", "",
         "| | static `generate` | engine | engine / static |", "|---|---|---|---|",
         f"| generated tokens/s | {result['static_tokens_per_s']:.0f} | {result['engine_tokens_per_s']:.0f} | "
         f"{result['speedup']:.2f}x |",
         f"| wall time | {t_static:.1f} s | {t_engine:.1f} s | |",
-        f"| cache | {static_batch} rows x 1024 tokens | {args.cache_tokens // args.page_size} pages x {args.page_size}: "
+        f"| cache | {static_batch} rows x 1024 tokens | {args.engine.num_pages} pages x {args.engine.page_size}: "
         f"while requests wait, {100 * utilisation:.0f}% of them in use, {100 * fill:.0f}% of those filled | |", "",
         f"Every request's tokens equal between the two: {same}.", "",
         f"## Shared {args.system_tokens}-token system prompt ({args.shared_requests} requests, suffixes 8-32 tokens)", "",

@@ -165,7 +165,8 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
 
     from eqx_tx.core.hlo import format_summary, per_layer_summary
     from eqx_tx.analysis.memory import (MemoryFigures, abstract_train_inputs, compile_engine_step, compile_sampling,
-                                compile_train_step)
+                                        compile_train_step)
+    from eqx_tx.infer.config import EngineConfig
     from eqx_tx.train.remat_auto import remat_label
     from eqx_tx.train.training import resolve_remat
 
@@ -190,10 +191,10 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
         # prompt once for its n samples (pages shared) plus every sample's own tokens.
         n, half = settings["n"], seq_len // 2
         pool = batch // n * half + batch * (seq_len - half) if n > 1 else batch * seq_len
-        compiled = compile_engine_step(model, mesh, max_seqs=batch, pool_tokens=pool, max_seq_len=seq_len,
-                                       prefill_chunk=settings["prefill_chunk_size"] or 512,
-                                       compute=_compute(args, settings),
-                                       cache_dtype=jnp.dtype(settings["kv_cache_dtype"]))
+        engine = EngineConfig(max_seqs=batch, max_tokens_in_cache=pool, max_seq_len=seq_len,
+                              prefill_chunk=settings["prefill_chunk_size"] or 512,
+                              kv_cache_dtype=settings["kv_cache_dtype"])
+        compiled = compile_engine_step(model, mesh, engine, compute=_compute(args, settings))
         figures = {k: MemoryFigures.of(v) for k, v in compiled.items()}
     else:
         if batch % settings["n"]:

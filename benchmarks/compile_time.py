@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import tyro
 
 import eqx_tx
-from eqx_tx.train.forward import _logits
+from eqx_tx.train.forward import logits_jit
 from eqx_tx.io.loading import abstract_model
 
 
@@ -39,7 +39,7 @@ def compile_seconds(config, batch: int, seq: int) -> float:
     compute = eqx_tx.ComputeConfig(attention="xla")
 
     def loss(model, ids, lengths):
-        logits = _logits(model, ids, lengths, compute)
+        logits = logits_jit(model, ids, lengths, compute)
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
 
     start = time.perf_counter()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.infer.engine import _decode_step
+from eqx_tx.infer.steps import paged_decode_step
 from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
 
@@ -46,7 +46,7 @@ def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints):
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
     requests = _workload(model.config.vocab_size, seed=0)
     engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=8, prefill_chunk=16)
-    compiled = _decode_step._cache_size()
+    compiled = paged_decode_step._cache_size()
     ids = [engine.add(*r) for r in requests[:4]]
     streamed: dict[int, list[int]] = {}
     steps, peak_pages = 0, 0
@@ -63,7 +63,7 @@ def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints):
     assert engine.stats()["preemptions"] > 0  # the pool ran out: the newest went back to wait, then on
     assert len({r.stop_reason for r in results}) == 2  # some stop early, some run to their length
     # Shapes are fixed but for the running slots padded to a power of two: one compile per row count (1, 2, 3).
-    assert 1 <= _decode_step._cache_size() - compiled <= 3
+    assert 1 <= paged_decode_step._cache_size() - compiled <= 3
     _assert_equal_to_generate(model, requests, results)
 
 
@@ -74,7 +74,7 @@ def test_tp_int8_engine_equals_generate(checkpoints):
     requests = _workload(model.config.vocab_size, seed=1)[:5]
     engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=16, prefill_chunk=32,
                            cache_dtype="int8")
-    assert engine._cache.k.dtype == jax.numpy.int8 and engine._cache.k.sharding.spec[3] == "tp"
+    assert engine.runner.cache.k.dtype == jax.numpy.int8 and engine.runner.cache.k.sharding.spec[3] == "tp"
     _assert_equal_to_generate(model, requests, engine.run(requests), cache_dtype="int8")
 
 

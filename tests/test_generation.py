@@ -13,7 +13,7 @@ import eqx_tx
 from eqx_tx.infer import generation
 from eqx_tx.infer.generation import DecodeState, decode, generate, prefill
 from eqx_tx.core.hlo import materialized
-from eqx_tx.models.transformer import new_cache
+from eqx_tx.cache.allocate import new_cache
 from eqx_tx.io.loading import abstract_model
 from eqx_tx.infer.sampling import SamplerArrays, SamplingParams, sample_token
 from tests.hf_utils import hf_model

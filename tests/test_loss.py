@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.train.forward import _logits, lengths_from_mask
+from eqx_tx.train.forward import logits_jit, lengths_from_mask
 from eqx_tx.io.hf_params import hf_tensors
 from eqx_tx.train.loss import chunked_logprobs, chunked_scores, token_logprobs, weighted_cross_entropy
 from tests.hf_utils import hf_model, ragged_batch
@@ -18,7 +18,7 @@ LENGTHS = [9, 6]  # batch*seq = 18 tokens
 
 def _unchunked(model, ids, tgt, mask):
     lengths = lengths_from_mask(mask, ids.shape[1], ids.shape[0])
-    logits = _logits(model, ids, lengths, eqx_tx.ComputeConfig())
+    logits = logits_jit(model, ids, lengths, eqx_tx.ComputeConfig())
     return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tgt[..., None], -1)[..., 0]
 
 

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
 from eqx_tx.train.forward import segment_positions
-from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.training import Batch, TrainConfig, loss_and_grads
 from tests.hf_utils import TP_CONFIG, make_hf_checkpoint
 
 T = 27
@@ -61,7 +61,7 @@ def _loss_grads(model, batch, compute, mesh=None):
     params, frozen = eqx.partition(model, eqx.is_array)
     count = jnp.float32(np.sum(np.asarray(batch.loss_weights) != 0))
     coefficients = jnp.asarray(batch.loss_weights, jnp.float32) / count  # the step's token weights
-    step = jax.jit(_loss_and_grads, static_argnums=4)
+    step = jax.jit(loss_and_grads, static_argnums=4)
     if mesh is None:
         metrics, grads = step(params, frozen, batch, coefficients, config, count)
     else:

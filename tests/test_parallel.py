@@ -13,7 +13,7 @@ import eqx_tx
 from eqx_tx.kernels.ring import load_balanced_order, padded_length, ring_attention
 from eqx_tx.kernels.sdpa import xla_attention
 from eqx_tx.train.loss import token_logprobs
-from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.training import Batch, TrainConfig, loss_and_grads
 from tests.hf_utils import TP_CONFIG, make_hf_checkpoint, ragged_batch
 
 T = 27  # not a multiple of the ring: padded to 2*sp
@@ -38,11 +38,11 @@ def _loss_grads(model, batch, compute, mesh=None):
     count = jnp.float32(np.sum(np.asarray(batch.loss_weights) != 0))
     coefficients = jnp.asarray(batch.loss_weights, jnp.float32) / count  # the step's token weights
     if mesh is None:
-        metrics, grads = jax.jit(_loss_and_grads, static_argnums=4)(params, frozen, batch, coefficients, config, count)
+        metrics, grads = jax.jit(loss_and_grads, static_argnums=4)(params, frozen, batch, coefficients, config, count)
     else:
         with jax.set_mesh(mesh):
             b, c = jax.device_put((batch, coefficients), NamedSharding(mesh, P("dp")))
-            metrics, grads = jax.jit(_loss_and_grads, static_argnums=4)(params, frozen, b, c, config, count)
+            metrics, grads = jax.jit(loss_and_grads, static_argnums=4)(params, frozen, b, c, config, count)
     return float(metrics["loss"]), jax.tree.leaves(grads)
 
 
@@ -157,7 +157,7 @@ def test_policy_loss_with_entropy_equals_single_device_under_context_parallelism
     compute = eqx_tx.ComputeConfig(attention="blockwise", block_q=8, block_kv=8)
 
     def loss(m, b):
-        return eqx_tx.policy_loss(m, b, loss="gspo", normalise="sequence", kl_coef=0.1, entropy_coef=0.05,
+        return eqx_tx.policy_loss(m, b, eqx_tx.PolicyLoss("gspo", normalise="sequence", kl_coef=0.1, entropy_coef=0.05),
                                   compute=compute, chunk_size=13)
 
     (ref, ref_metrics), ref_grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, batch)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.train.forward import _logits
+from eqx_tx.train.forward import logits_jit
 from eqx_tx.train.policy import PolicyLoss
 
 B, T = 4, 10
@@ -57,7 +57,7 @@ def _batch(model, *, packed: bool, seed: int = 0) -> eqx_tx.Batch:
 
 def _reference_scores(model, ids, targets, lengths, segments):
     """Log-prob of each target and entropy, from full [B, T, V] float32 logits."""
-    logits = _logits(model, jnp.asarray(ids), jnp.asarray(lengths), eqx_tx.ComputeConfig(attention="xla"),
+    logits = logits_jit(model, jnp.asarray(ids), jnp.asarray(lengths), eqx_tx.ComputeConfig(attention="xla"),
                      None if segments is None else jnp.asarray(segments))
     logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     logp = jnp.take_along_axis(logp_all, jnp.asarray(targets)[..., None], -1)[..., 0]
@@ -135,8 +135,7 @@ def test_policy_loss_matches_full_logits_reference(checkpoints, loss, normalise,
 
     @eqx.filter_jit
     def ours(model):
-        return eqx_tx.policy_loss(model, batch, loss=loss, clip_high=clip_high, normalise=normalise,
-                                  kl_coef=kl_coef, entropy_coef=entropy_coef, chunk_size=7)
+        return eqx_tx.policy_loss(model, batch, cfg, chunk_size=7)
 
     (value, metrics), grads = eqx.filter_value_and_grad(ours, has_aux=True)(model)
     (ref_value, ref_metrics), ref_grads = eqx.filter_value_and_grad(
@@ -158,8 +157,7 @@ def test_train_step_policy_loss_micro_batches(checkpoints):
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
     batch = _batch(model, packed=True, seed=1)
     policy = PolicyLoss("gspo", normalise="sequence", kl_coef=0.1, entropy_coef=0.01)
-    expected, expected_metrics = eqx_tx.policy_loss(model, batch, loss="gspo", normalise="sequence", kl_coef=0.1,
-                                                    entropy_coef=0.01)
+    expected, expected_metrics = eqx_tx.policy_loss(model, batch, policy)
     before = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
     results = []
     for m in (1, 2):
@@ -188,7 +186,7 @@ def test_policy_loss_memory_holds_no_logits_buffer():
 
     def temp(chunk_size):
         def grad(model, batch):
-            return eqx.filter_grad(lambda m: eqx_tx.policy_loss(m, batch, loss="ppo", kl_coef=0.1, entropy_coef=0.01,
+            return eqx.filter_grad(lambda m: eqx_tx.policy_loss(m, batch, PolicyLoss("ppo", kl_coef=0.1, entropy_coef=0.01),
                                                                 chunk_size=chunk_size)[0])(model)
 
         return jax.jit(grad).lower(model, batch).compile().memory_analysis().temp_size_in_bytes
@@ -207,9 +205,10 @@ def test_policy_loss_bad_inputs(checkpoints):
     with pytest.raises(ValueError, match=r"advantages has shape \(4, 9\)"):
         eqx_tx.policy_loss(model, dataclasses.replace(batch, advantages=batch.advantages[:, :9]))
     with pytest.raises(ValueError, match="reference_logprobs"):
-        eqx_tx.policy_loss(model, dataclasses.replace(batch, reference_logprobs=None), kl_coef=0.1)
+        eqx_tx.policy_loss(model, dataclasses.replace(batch, reference_logprobs=None), PolicyLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match="group_ids must lie in"):
-        eqx_tx.policy_loss(model, dataclasses.replace(batch, group_ids=batch.group_ids + B * T), normalise="group")
+        eqx_tx.policy_loss(model, dataclasses.replace(batch, group_ids=batch.group_ids + B * T),
+                           PolicyLoss(normalise="group"))
     with pytest.raises(ValueError, match="unknown policy loss 'grpo'"):
         PolicyLoss("grpo")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="unknown normalise"):

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 import eqx_tx
+from eqx_tx.infer.config import EngineConfig
 from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
 from tests.tools_util import ROOT, load_tool
@@ -51,8 +52,8 @@ def served(trained_tiny, tmp_path_factory):
     adapter_dir = directory.parent / "adapter"
     eqx_tx.save_adapter(tuned, adapter_dir)
     serve = load_tool("serve")
-    loop, app = serve.build(serve.Args(model=str(directory), max_seqs=4, max_tokens_in_cache=2048, page_size=16,
-                                       prefill_chunk=32, lora=(f"tiny-lora={adapter_dir}",)))
+    engine = EngineConfig(max_seqs=4, max_tokens_in_cache=2048, page_size=16, prefill_chunk=32)
+    loop, app = serve.build(serve.Args(model=str(directory), engine=engine, lora=(f"tiny-lora={adapter_dir}",)))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -61,3 +61,24 @@ def test_token_budget_step_equals_padded_step(checkpoints, policy):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 1"):
         dataclasses.replace(eqx_tx.TrainConfig(), max_tokens_per_micro_batch=0)
+
+
+class _TaggedBatch(eqx_tx.Batch):
+    """A batch with one more per-token field, as a user would add one."""
+
+    token_tags: np.ndarray | None = eqx.field(default=None, metadata={"per_token": True})
+
+
+def test_a_new_per_token_field_is_packed_with_its_tokens():
+    """Packing reads the per-token declaration: a field added by a subclass moves with
+    its sequence's tokens (a hand-kept list of names would drop it)."""
+    b = _batch(97)
+    tags = np.where(np.asarray(b.loss_weights) > 0, np.asarray(b.input_ids) * 10 + 7, 0).astype(np.int32)
+    tagged = _TaggedBatch(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)}, token_tags=tags)
+    assert "token_tags" in tagged.per_token_fields()
+    packed, _ = pack_by_tokens(tagged, 48, rows_multiple=2)
+    assert isinstance(packed, _TaggedBatch) and packed.token_tags is not None
+    # Every packed token carries the tag its token had before packing.
+    real = packed.loss_weights > 0
+    np.testing.assert_array_equal(packed.token_tags[real], packed.input_ids[real] * 10 + 7)
+    assert int((packed.token_tags != 0).sum()) == int((tags != 0).sum())

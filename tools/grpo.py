@@ -163,15 +163,17 @@ class Rollouts:
     def __init__(self, args: Args, tokenizer, reward, model, examples: list[dict]):
         import eqx_tx
         from eqx_tx.core.util import ceil_div
+        from eqx_tx.infer.config import EngineConfig
 
         self.args, self.tokenizer, self.reward = args, tokenizer, reward
         self.engine = None
         if args.sampler == "engine":
             slots = args.engine_slots or args.prompts_per_step * args.n
             longest = max(len(tokenizer.encode_prompt(e["prompt"])) for e in examples) + args.max_new_tokens
-            self.engine = eqx_tx.Engine(model, max_seqs=slots, page_size=self.PAGE_SIZE,
-                                        max_tokens_in_cache=slots * ceil_div(longest, self.PAGE_SIZE) * self.PAGE_SIZE,
-                                        prefill_rows=min(64, 1 << (slots - 1).bit_length()))
+            config = EngineConfig(max_seqs=slots, page_size=self.PAGE_SIZE,
+                                  max_tokens_in_cache=slots * ceil_div(longest, self.PAGE_SIZE) * self.PAGE_SIZE,
+                                  prefill_rows=min(64, 1 << (slots - 1).bit_length()))
+            self.engine = eqx_tx.Engine(model, config)
 
     def sample(self, model, examples: list[dict], seed: int):
         import numpy as np

@@ -16,10 +16,13 @@ slot of zeros).
 
 import dataclasses
 import os
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from eqx_tx.cli import run_tool
 from eqx_tx.core.compute import AttentionImpl
+from eqx_tx.infer.config import EngineConfig
 
 
 @dataclasses.dataclass
@@ -30,14 +33,8 @@ class Args:
     """The name clients ask for (default: the directory's name)."""
     host: str = "127.0.0.1"
     port: int = 8000
-    max_seqs: int = 16
-    """Sequences decoded at once (engine slots)."""
-    max_tokens_in_cache: int = 65536
-    """The KV page pool's size in tokens, shared by all requests."""
-    page_size: int = 16
-    prefill_chunk: int = 256
-    """Prompt positions prefilled per engine step."""
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig()
+    """The continuous-batching engine: slots, page pool, prefill chunks."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype (auto: the checkpoint's)."""
     tp: int = 1
@@ -53,10 +50,11 @@ def build(args: Args):
 
     import eqx_tx
     from eqx_tx.io.loading import resolve_source
-    from eqx_tx.serve.openai import EngineLoop, build_app
+    from eqx_tx.serve.loop import EngineLoop
+    from eqx_tx.serve.openai import build_app
 
     directory = resolve_source(args.model)
-    dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+    dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
     mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
     name = args.model_name or os.path.basename(os.path.normpath(args.model))
@@ -67,9 +65,7 @@ def build(args: Args):
             raise ValueError(f"--lora names {list(names)} repeat each other or the model's name {name!r}")
         model = eqx_tx.load_adapter_bank(model, paths, base_slot=True)
         adapters = {name: 0} | {n: i + 1 for i, n in enumerate(names)}
-    engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, max_tokens_in_cache=args.max_tokens_in_cache,
-                           page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                           cache_dtype=dtypes[args.kv_cache_dtype], compute=eqx_tx.ComputeConfig(attention=args.attention))
+    engine = eqx_tx.Engine(model, args.engine, compute=eqx_tx.ComputeConfig(attention=args.attention))
     loop = EngineLoop(engine)
     return loop, build_app(loop, eqx_tx.load_tokenizer(directory), name, adapters)
 

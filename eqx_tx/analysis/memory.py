@@ -20,14 +20,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..train.bank_optimizer import init_bank_state
 from ..train.batch import Batch
 from ..core.compute import ComputeConfig
-from ..infer.engine import _decode_step, _prefill_chunk
+from ..infer.config import EngineConfig
+from ..infer.steps import paged_decode_step, paged_prefill_chunk
 from ..infer.generation import DecodeState, decode, prefill
 from ..core.memory_figures import MemoryFigures
-from ..cache.dense import SharedPrefixCache
+from ..cache.shared_prefix import SharedPrefixCache
 from ..layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
 from ..io.loading import abstract_model
 from ..models.config import TransformerConfig
-from ..models.transformer import new_cache, new_paged_cache
+from ..cache.allocate import new_cache, new_paged_cache
 from ..infer.sampling import SamplerArrays, SamplingParams
 from ..core.sharding import abstract_with_shardings, logical_to_spec, make_mesh
 from ..train.training import TrainConfig, make_optimizer, resolve_remat, train_step_jit
@@ -200,25 +201,18 @@ def compile_sampling(
         return {"prefill": pre.compile(), "decode": dec.compile()}
 
 
-def compile_engine_step(
-    model,
-    mesh,
-    *,
-    max_seqs: int,
-    pool_tokens: int,
-    max_seq_len: int,
-    page_size: int = 16,
-    prefill_chunk: int = 512,
-    prefill_rows: int = 4,
-    compute: ComputeConfig,
-    cache_dtype=jnp.bfloat16,
-):
-    """Compile `eqx_tx.Engine`'s two steps with every slot running: a prefill chunk
-    of `prefill_rows` requests and a decode step over a page pool of `pool_tokens` tokens for `max_seqs`
-    sequences of up to `max_seq_len` tokens. Returns `{"prefill": compiled,
-    "decode": compiled}`."""
+def compile_engine_step(model, mesh, engine: EngineConfig, *, compute: ComputeConfig):
+    """Compile `eqx_tx.Engine`'s two steps with every slot running, for the engine
+    `engine` describes: a prefill chunk of `prefill_rows` requests and a decode step of
+    `max_seqs` sequences of up to `max_seq_len` tokens (default: the pool) over a page
+    pool of `max_tokens_in_cache` tokens (`kv_cache_dtype` "auto": bf16). Returns
+    `{"prefill": compiled, "decode": compiled}`."""
+    max_seqs, page_size, prefill_rows, prefill_chunk = (engine.max_seqs, engine.page_size, engine.prefill_rows,
+                                                        engine.prefill_chunk)
+    max_seq_len = engine.max_seq_len or engine.num_pages * page_size
+    cache_dtype = jnp.bfloat16 if engine.kv_cache_dtype == "auto" else jnp.dtype(engine.kv_cache_dtype)
     config = model.config
-    cache = new_paged_cache(config, pages=pool_tokens // page_size, page_size=page_size, batch=max_seqs,
+    cache = new_paged_cache(config, pages=engine.num_pages, page_size=page_size, batch=max_seqs,
                             pages_per_seq=ceil_div(max_seq_len, page_size), dtype=cache_dtype, mesh=mesh, abstract=True)
     pages_per_seq = cache.page_table.shape[1]
     rows = _sds((max_seqs,), jnp.int32, mesh)
@@ -229,9 +223,9 @@ def compile_engine_step(
     bank = has_bank(model)  # each row's adapter, as the engine passes it
     with jax.set_mesh(mesh):
         prows = _sds((prefill_rows,), jnp.int32, mesh)
-        pre = _prefill_chunk.lower(model, cache, logits, prows, _sds((prefill_rows, pages_per_seq), jnp.int32, mesh),
+        pre = paged_prefill_chunk.lower(model, cache, logits, prows, _sds((prefill_rows, pages_per_seq), jnp.int32, mesh),
                                    _sds((prefill_rows, prefill_chunk), jnp.int32, mesh), prows, prows,
                                    prows if bank else None, compute=compute)
-        dec = _decode_step.lower(model, cache, logits, rows, table, rows, rows, rows if bank else None, sampler,
+        dec = paged_decode_step.lower(model, cache, logits, rows, table, rows, rows, rows if bank else None, sampler,
                                  compute=compute)
         return {"prefill": pre.compile(), "decode": dec.compile()}

@@ -6,25 +6,29 @@ head): `x ≈ q * scale`, `scale = max|x| / 127` over `head_dim`. That is
 `(head_dim + 4) / (2 * head_dim)` of a bf16 cache (51.6% at head_dim 128).
 Quantization happens on write; attention dequantizes one key/value block at a time
 (`eqx_tx.kernels.flash`), never the whole cache.
-
-`SharedPrefixCache` stores each prompt's keys/values once for `n` samples.
 """
 
-import equinox as eqx
+from typing import final
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..core.compute import ComputeConfig
+from ..core.sharding import AnyMesh, HasAxes, mesh_axis_size
+from ..kernels.dispatch import CacheKind, select_attention
+from ..kernels.mask import AttentionMask
 from ..kernels.quantized import Quantized
-from ..core.sharding import HasAxes
-from .storage import store_kv, zero_kv
-from .paged import PagedKVCache
+from ..kernels.sdpa import attend
+from .base import AbstractCache
+from .storage import KVStorage, store_kv, zero_kv
 
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
 SCALE_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads")
 
 
-class KVCache(HasAxes):
+@final
+class KVCache(AbstractCache, KVStorage, HasAxes):
     """Keys and values of every layer, `[layers, batch, max_len, kv_heads, head_dim]`.
 
     Slot `t` of sequence `b` holds the key/value of position `t`. The cache is carried
@@ -51,8 +55,8 @@ class KVCache(HasAxes):
         return {"k": KV_AXES, "v": KV_AXES, "k_scale": SCALE_AXES, "v_scale": SCALE_AXES}
 
     @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
+    def kind(self) -> CacheKind:
+        return "int8" if self.quantized else "dense"
 
     @property
     def max_len(self) -> int:
@@ -61,10 +65,7 @@ class KVCache(HasAxes):
     def layer(self, index: Int[Array, ""]) -> tuple[Array | Quantized, Array | Quantized]:
         """Keys and values of layer `index`, `[batch, max_len, kv_heads, head_dim]`
         (as `Quantized` pairs for an int8 cache)."""
-        pick = lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False)  # noqa: E731
-        if self.quantized:
-            return Quantized(pick(self.k), pick(self.k_scale)), Quantized(pick(self.v), pick(self.v_scale))
-        return pick(self.k), pick(self.v)
+        return self.pair(lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False))
 
     def write(
         self,
@@ -90,23 +91,32 @@ class KVCache(HasAxes):
 
         return store_kv(self, put, k_new, v_new)
 
+    def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
+               mesh: AnyMesh | None):
+        """Write, then attend over the cache's keys `[0, max_len)` of this layer.
 
-class SharedPrefixCache(eqx.Module):
-    """The keys/values of `P` prompts stored once, and of their `P * n` completions.
-
-    Sample `s` continues prompt `s // n`. Its attention reads the shared prompt
-    cache and its own completion cache and merges the two by their log-sum-exp,
-    which is exact. Completion slot `t` holds position `prompt_lengths[p] + t`.
-    """
-
-    prompt: KVCache  # [layers, P, prompt_len, ...]
-    completion: KVCache  # [layers, P * n, max_new, ...]
-    prompt_lengths: Int[Array, " prompts"]
-
-    @property
-    def n(self) -> int:
-        return self.completion.k.shape[1] // self.prompt.k.shape[1]
-
-
-Cache = KVCache | SharedPrefixCache | PagedKVCache
-"""What a model reads and writes while sampling."""
+        Queries from position 0 (a prefill's first chunk) see only this chunk's keys:
+        causality hides every later slot of the cache. Attending over the chunk's own
+        keys, as the cache stores them, is exact, reads `seq` keys instead of
+        `max_len`, and is self-attention (which splash runs). Not for int8 caches,
+        whose stored keys are the rounded ones.
+        """
+        own_keys = (not self.quantized and mask.segment_ids is None and mask.from_start
+                    and mesh_axis_size(mesh, "sp") == 1)
+        choice = select_attention(q.shape, k.shape if own_keys else self.k.shape[1:], q.dtype,
+                                  cache="none" if own_keys else self.kind, q_offset=mask.q_offset, mesh=mesh,
+                                  compute=compute, segmented=mask.segment_ids is not None)
+        assert choice.backend in ("cudnn", "splash", "blockwise", "xla")
+        with jax.named_scope("cache_write"):
+            cache = self.write(layer, k, v, positions)
+        if own_keys:
+            keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        else:
+            keys, values = cache.layer(layer)
+        kv_lengths = mask.kv_lengths
+        if own_keys and kv_lengths is not None:  # a prompt longer than this chunk: its keys end here
+            kv_lengths = jnp.minimum(kv_lengths, k.shape[1])
+        o = attend(choice.backend, q, keys, values, kv_lengths=kv_lengths, q_offset=mask.q_offset,
+                   segment_ids=mask.segment_ids, causal=True, block_q=choice.block_q, block_kv=choice.block_kv,
+                   mesh=mesh)
+        return o, cache

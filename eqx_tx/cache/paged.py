@@ -12,20 +12,29 @@ Attention (`eqx_tx.kernels.paged`) walks each sequence's pages block by block up
 the longest sequence's length, gathering them straight from the pool.
 """
 
+from typing import final
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..core.compute import ComputeConfig
+from ..core.sharding import AnyMesh, HasAxes
+from ..kernels.dispatch import CacheKind, select_attention
+from ..kernels.mask import AttentionMask
+from ..kernels.paged import paged_attention
 from ..kernels.quantized import Quantized
-from ..core.sharding import HasAxes
-from .storage import store_kv, zero_kv
+from .base import AbstractCache
+from .storage import KVStorage, store_kv, zero_kv
 
 POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
 POOL_SCALE_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads")
 TABLE_AXES = ("cache_table", None)
 
 
-class PagedKVCache(HasAxes):
+@final
+class PagedKVCache(AbstractCache, KVStorage, HasAxes):
     """A page pool of every layer's keys/values and each sequence's page table."""
 
     k: Array
@@ -55,8 +64,8 @@ class PagedKVCache(HasAxes):
                 "page_table": TABLE_AXES}
 
     @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
+    def kind(self) -> CacheKind:
+        return "paged"
 
     @property
     def num_pages(self) -> int:
@@ -73,10 +82,7 @@ class PagedKVCache(HasAxes):
     def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
         """The whole key and value pools (as `Quantized` pairs for an int8 pool), for
         `eqx_tx.kernels.paged.paged_attention`."""
-        if self.quantized:
-            assert self.k_scale is not None and self.v_scale is not None
-            return Quantized(self.k, self.k_scale), Quantized(self.v, self.v_scale)
-        return self.k, self.v
+        return self.pair(lambda x: x)
 
     def write(
         self,
@@ -97,3 +103,13 @@ class PagedKVCache(HasAxes):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
 
         return store_kv(self, put, k_new, v_new)
+
+    def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
+               mesh: AnyMesh | None):
+        """Write into the sequences' pages, then attend over them (`paged_attention`)."""
+        select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
+                         compute=compute, segmented=mask.segment_ids is not None)
+        assert mask.kv_lengths is not None
+        with jax.named_scope("cache_write"):
+            cache = self.write(layer, k, v, positions)
+        return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache

@@ -1,7 +1,8 @@
 """How the caches store keys and values: as is, or int8 with a float32 scale per vector.
 
-Both `KVCache` and `PagedKVCache` have the fields `k, v, k_scale, v_scale` (scales
-`None` unless int8); these two helpers create and write them the same way.
+`KVStorage` declares the fields `k, v, k_scale, v_scale` (scales `None` unless int8)
+that `KVCache` and `PagedKVCache` hold; `zero_kv` and `store_kv` create and write
+them the same way for both.
 """
 
 from collections.abc import Callable
@@ -13,7 +14,29 @@ from jaxtyping import Array
 
 from ..kernels.quantized import Quantized
 
-C = TypeVar("C", bound=eqx.Module)
+
+
+class KVStorage(eqx.Module):
+    """Keys and values, and their float32 scales when stored as int8 (else `None`)."""
+
+    k: eqx.AbstractVar[Array]
+    v: eqx.AbstractVar[Array]
+    k_scale: eqx.AbstractVar[Array | None]
+    v_scale: eqx.AbstractVar[Array | None]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def pair(self, pick: Callable[[Array], Array]) -> tuple[Array | Quantized, Array | Quantized]:
+        """`pick` applied to the keys and to the values (as `Quantized` pairs with their
+        scales for int8)."""
+        if self.k_scale is not None and self.v_scale is not None:
+            return Quantized(pick(self.k), pick(self.k_scale)), Quantized(pick(self.v), pick(self.v_scale))
+        return pick(self.k), pick(self.v)
+
+
+C = TypeVar("C", bound=KVStorage)
 
 
 def zero_kv(shape: tuple[int, ...], dtype) -> tuple[Array, Array, Array | None, Array | None]:
@@ -27,10 +50,10 @@ def zero_kv(shape: tuple[int, ...], dtype) -> tuple[Array, Array, Array | None, 
 def store_kv(cache: C, put: Callable[[Array, Array], Array], k_new: Array, v_new: Array) -> C:
     """`cache` with `put(buffer, new)` applied to its keys and values (quantized first,
     scales alongside, for an int8 cache)."""
-    if getattr(cache, "k_scale") is not None:
+    if cache.k_scale is not None and cache.v_scale is not None:
         kq, vq = Quantized.quantize(k_new), Quantized.quantize(v_new)
-        new = (put(getattr(cache, "k"), kq.values), put(getattr(cache, "v"), vq.values),
-               put(getattr(cache, "k_scale"), kq.scale), put(getattr(cache, "v_scale"), vq.scale))
+        new = (put(cache.k, kq.values), put(cache.v, vq.values), put(cache.k_scale, kq.scale),
+               put(cache.v_scale, vq.scale))
         return eqx.tree_at(lambda c: (c.k, c.v, c.k_scale, c.v_scale), cache, new)
-    new = (put(getattr(cache, "k"), k_new), put(getattr(cache, "v"), v_new))
+    new = (put(cache.k, k_new), put(cache.v, v_new))
     return eqx.tree_at(lambda c: (c.k, c.v), cache, new)

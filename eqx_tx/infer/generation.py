@@ -19,38 +19,28 @@ import numpy as np
 import tokenizers
 from jaxtyping import Array, Float, Int
 
-from ..core.log import log_once
+from ..cache.allocate import new_cache
+from ..cache.base import AbstractCache
+from ..cache.dense import KVCache
+from ..cache.shared_prefix import SharedPrefixCache
 from ..core.compute import ComputeConfig
 from ..core.distributed import to_host
+from ..core.log import log_once
+from ..core.sharding import current_mesh, mesh_context
+from ..core.util import round_up
 from ..kernels.dispatch import target_platform
-from ..layers.attention import AttentionMask
+from ..kernels.mask import AttentionMask
 from ..layers.block import unstack
-from ..cache.dense import Cache, KVCache, SharedPrefixCache
 from ..layers.lora import check_adapter_ids, select_adapters
 from ..models import CausalLM
-from ..models.transformer import new_cache
 from .sampling import SamplerArrays, SamplingParams, sample_batch
-from ..core.sharding import constrain, current_mesh, mesh_context
+from .steps import STOP_REASONS, Generation, check_requests, decode_one, last_token_logits
 from .text import Message, Tokenizer
-from ..core.util import round_up
-
-STOP_REASONS = ("running", "stop", "length")
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """One request's result: new tokens (the stop token included), their
-    log-probabilities under the model, and why it stopped (`"stop"` or `"length"`)."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str
-
 
 class DecodeState(eqx.Module):
     """Everything the decode loop carries between steps."""
 
-    cache: Cache
+    cache: AbstractCache
     logits: Float[Array, "batch vocab"]  # next-token logits of each sequence
     lengths: Int[Array, " batch"]  # position of the next token (prompt + generated so far)
     generated: Int[Array, " batch"]  # new tokens produced so far
@@ -60,14 +50,9 @@ class DecodeState(eqx.Module):
     step: Int[Array, ""]
 
 
-def _last_token_logits(model: CausalLM, hidden_bd):
-    """LM head on one hidden vector per sequence: `[batch, vocab]`, float32."""
-    return constrain(model.head_logits(hidden_bd), ("batch", "act_vocab"))
-
-
 @functools.partial(jax.jit, static_argnames=("chunk", "compute", "full_logits"), donate_argnames="cache")
 def prefill(
-    model: CausalLM, cache: Cache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
+    model: CausalLM, cache: AbstractCache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
 ):
     """Write the prompts' keys/values into `cache`; return it and each last token's logits.
 
@@ -106,7 +91,7 @@ def prefill(
     cache, last = run_chunk(0, cache, last)
     if n_chunks > 1:
         cache, last = jax.lax.fori_loop(1, n_chunks, lambda i, c: run_chunk(i * chunk, *c), (cache, last))
-    return cache, (last if full_logits else _last_token_logits(model, last))
+    return cache, (last if full_logits else last_token_logits(model, last))
 
 
 def _decode_layers(model: CausalLM, compute: ComputeConfig, batch: int) -> CausalLM:
@@ -126,13 +111,6 @@ def _decode_layers(model: CausalLM, compute: ComputeConfig, batch: int) -> Causa
     if choice == "scan":
         return model
     return eqx.tree_at(lambda m: m.model.layers, model, unstack(model.model.layers))
-
-
-def _decode_one(model: CausalLM, cache: Cache, token, positions, mask: AttentionMask, compute: ComputeConfig):
-    """Feed one token per sequence at `positions`; returns the cache and the next logits."""
-    out = model.hidden_states(token[:, None], positions=positions[:, None], mask=mask, compute=compute, cache=cache)
-    assert out.cache is not None
-    return out.cache, _last_token_logits(model, out.hidden[:, 0])
 
 
 @functools.partial(jax.jit, static_argnames="compute", donate_argnames="state")
@@ -162,8 +140,8 @@ def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_step
         done = jnp.where(running & hit_stop, 1, s.done)
         done = jnp.where((done == 0) & (generated >= sampler.max_new), 2, done)
         # A shared-prefix cache masks the sample's own completion slots; the prompt is shared.
-        slot = s.generated if isinstance(s.cache, SharedPrefixCache) else s.lengths
-        cache, logits = _decode_one(model, s.cache, token, s.lengths, AttentionMask.decode(slot), compute)
+        slot = s.generated if s.cache.masks_completion_only else s.lengths
+        cache, logits = decode_one(model, s.cache, token, s.lengths, AttentionMask.decode(slot), compute)
         lengths = s.lengths + running
         return DecodeState(cache, logits, lengths, generated, done, tokens, logprobs, s.step + 1)
 
@@ -188,36 +166,6 @@ def _pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int | None) -> tu
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths, chunk
-
-
-def _check_requests(config, prompts, params, n: int, prefill_chunk_size) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Validate the requests; returns the prompts as int lists and one `SamplingParams` each."""
-    if not prompts:
-        raise ValueError("no prompts")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    if prefill_chunk_size is not None and prefill_chunk_size < 1:
-        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
-    prompts = [list(map(int, p)) for p in prompts]
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    params = list(params)
-    if len(params) != len(prompts):
-        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    limit = None if config.rope.extends_past_max_position else config.max_position_embeddings
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        if limit is not None and len(p) > limit:
-            raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_position_embeddings {limit}")
-        if limit is not None and len(p) + sp.max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds "
-                f"max_position_embeddings {limit}"
-            )
-        if min(p) < 0 or max(p) >= config.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
-    return prompts, params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +301,7 @@ def generate(
     `i` is at index `i * n + j`.
     """
     config = model.config
-    prompts, params = _check_requests(config, prompts, params, n, prefill_chunk_size)
+    prompts, params = check_requests(config, prompts, params, n, prefill_chunk_size)
     plan, sequence_params, samples = _plan(prompts, params, n, share_prefix, prefill_chunk_size)
     sampler = SamplerArrays.from_params(sequence_params, config.eos_token_ids, config.vocab_size, samples)
     ids = None if adapters is None else np.asarray(adapters, np.int32)
@@ -418,7 +366,7 @@ def _teacher_forced(model: CausalLM, cache, tokens, lengths, continuation, *, ch
 
     def step(carry, token):
         cache, position = carry
-        cache, logits = _decode_one(model, cache, token, position, AttentionMask.decode(position), compute)
+        cache, logits = decode_one(model, cache, token, position, AttentionMask.decode(position), compute)
         return (cache, position + 1), logits
 
     _, rest = jax.lax.scan(step, (cache, lengths), continuation.T[:-1])

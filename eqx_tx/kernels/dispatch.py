@@ -9,6 +9,8 @@ once per distinct reason:
   travel around the `sp` ring, blockwise inside (`eqx_tx.kernels.ring`).
 - `"shared_prefix"`: `n` samples reading one stored prompt plus their own
   completions, merged by log-sum-exp (`eqx_tx.kernels.shared_prefix`).
+- `"paged"`: the engine's page pool, walked block by block (`eqx_tx.kernels.paged`);
+  another requested implementation cannot read a page pool, which is logged.
 - `"cudnn"`, `"splash"`, `"blockwise"`, `"xla"`: the single-device kernels of
   `eqx_tx.kernels.sdpa`. Under `attention="auto"`: cuDNN where it can run (a GPU),
   else once the score tile reaches `AUTO_BLOCKWISE_MIN_SCORES` splash where it can
@@ -34,8 +36,11 @@ from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
 
-Backend = Literal["cudnn", "splash", "blockwise", "xla", "ring", "shared_prefix"]
-CacheKind = Literal["none", "dense", "int8", "shared_prefix"]
+Backend = Literal["cudnn", "splash", "blockwise", "xla", "ring", "shared_prefix", "paged"]
+# What is read: no cache (a call's own keys), a dense cache (bf16/fp32 or int8), a
+# shared-prompt cache, a page pool (either dtype). Each cache kind names itself
+# (`eqx_tx.cache`).
+CacheKind = Literal["none", "dense", "int8", "shared_prefix", "paged"]
 
 # Under "auto", queries*keys at or above this use blockwise instead of xla.
 AUTO_BLOCKWISE_MIN_SCORES = 512 * 512
@@ -122,6 +127,11 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
     if cache == "shared_prefix":
         return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp")
+    if cache == "paged":
+        if requested != "auto":
+            return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
+                                            "block by block, eqx_tx.kernels.paged")
+        return AttentionChoice("paged", "the page pool walked block by block, eqx_tx.kernels.paged")
     if cache == "int8":
         if requested == "cudnn":
             raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
@@ -176,7 +186,7 @@ def select_attention(
       (`[batch, kv_seq, kv_heads, head_dim]`; a cache's whole length).
     - `dtype`: the queries' dtype.
     - `cache`: `"none"` (training, full forward), `"dense"` or `"int8"` (a KV cache),
-      or `"shared_prefix"`.
+      `"shared_prefix"` or `"paged"`.
     - `q_offset`: where the queries start; the Python int `0` lets cuDNN's causal
       mask run.
     - `mesh`: the mesh being compiled for (`None`: one device).
@@ -229,6 +239,6 @@ def dot_product_attention(
     kind: CacheKind = "int8" if isinstance(k, Quantized) else "dense"
     choice = select_attention(q.shape, k.shape, q.dtype, cache=kind, q_offset=q_offset, mesh=current_mesh(),
                               compute=compute)
-    assert choice.backend in ("cudnn", "splash", "blockwise", "xla")  # ring and shared prefix need their own inputs
+    assert choice.backend in ("cudnn", "splash", "blockwise", "xla")  # ring, shared prefix, paged need their own inputs
     return attend(choice.backend, q, k, v, kv_lengths=kv_lengths, q_offset=q_offset, causal=causal,
                   block_q=choice.block_q, block_kv=choice.block_kv, scale=scale, mesh=current_mesh())

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core.util import round_up
+from .mask import visible
 from .quantized import Quantized
 
 
@@ -78,14 +79,10 @@ _NO_SEGMENT = jnp.iinfo(jnp.int32).max
 
 
 def _tile_mask(q_pos, k_pos, kv_lengths, causal, q_seg=None, k_seg=None):
-    """`[batch, 1, 1, bq, bk]` visibility of keys at `k_pos [B, bk]` to queries at `q_pos [B, bq]`
-    (and, when given, only within the same non-zero segment)."""
-    visible = (k_pos < kv_lengths[:, None])[:, None, :]
-    if causal:
-        visible = visible & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if q_seg is not None and k_seg is not None:
-        visible = visible & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg != 0)[:, None, :]
-    return visible[:, None, None]
+    """`[batch, 1, 1, bq, bk]` visibility (`eqx_tx.kernels.mask.visible`) of keys at
+    `k_pos [B, bk]` to queries at `q_pos [B, bq]` (with segments when given)."""
+    shown = visible(q_pos, k_pos, kv_lengths, causal=causal, q_segments=q_seg, k_segments=k_seg, layout="rows")
+    return shown[:, None, None]
 
 
 def _heads_major(x, *, features=True):

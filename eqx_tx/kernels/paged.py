@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .flash import online_softmax_step
+from .mask import visible
 from .quantized import Quantized
 
 
@@ -67,11 +68,11 @@ def paged_attention(
     def block(j, carry):
         pages = jnp.clip(jax.lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1), 0, values_k.shape[1] - 1)
         k_pos = j * S + jnp.arange(S)
-        visible = (k_pos[None, None, :] < kv_lengths[:, None, None]) & (k_pos[None, None, :] <= q_positions[:, :, None])
+        shown = visible(k_pos=k_pos[None, None, :], kv_lengths=kv_lengths[:, None, None], q_pos=q_positions[:, :, None])
         k_bskh = load(pool_k, pages)
         v_bskh = jnp.where((k_pos[None, :] < kv_lengths[:, None])[:, :, None, None], load(pool_v, pages), 0)
         s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        s = jnp.where(shown[:, None, None], s, -jnp.inf)
         return online_softmax_step(carry, s, v_bskh, "bkgts,bskh->bkgth")
 
     o0 = jnp.zeros((B, K, G, T, H), jnp.float32)

@@ -20,22 +20,22 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..core.sharding import AnyMesh
 from .flash import flash_attention
+from .mask import visible
 from .quantized import Quantized
 from .splash import splash_attention
 
 KernelBackend = Literal["cudnn", "splash", "blockwise", "xla"]
 
 
-def _visible(B: int, T: int, S: int, kv_lengths, q_offset, causal: bool) -> Bool[Array, "batch q_seq kv_seq"]:
-    """The masking rule of `flash_attention` (without segments): key `j` is visible to
-    query `i` iff `j < kv_lengths` and, when causal, `j <= q_offset + i`."""
+def _visible(B: int, T: int, S: int, kv_lengths, q_offset, causal: bool, q_segments=None,
+             k_segments=None) -> Bool[Array, "batch q_seq kv_seq"]:
+    """`eqx_tx.kernels.mask.visible` for queries at `q_offset + i`: `[B, T, S]`."""
     kv_lengths = jnp.full((B,), S) if kv_lengths is None else kv_lengths
-    k_pos = jnp.arange(S)
-    visible = k_pos[None, None, :] < kv_lengths[:, None, None]
-    if causal:
-        q_pos = jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None] + jnp.arange(T)
-        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
-    return visible
+    q_pos = jnp.broadcast_to(jnp.asarray(q_offset), (B,))[:, None] + jnp.arange(T) if causal else None
+    segments = ((q_segments[:, :, None], k_segments[:, None, :]) if q_segments is not None and k_segments is not None
+                else (None, None))
+    return visible(None if q_pos is None else q_pos[:, :, None], jnp.arange(S)[None, None, :],
+                   kv_lengths[:, None, None], causal=causal, q_segments=segments[0], k_segments=segments[1])
 
 
 def _masked_softmax(s: Float[Array, "..."], visible: Bool[Array, "..."], *, axis: int):
@@ -70,11 +70,8 @@ def xla_attention(
     qg = q.reshape(B, T, Hkv, H // Hkv, K)
     s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32)
     s = s * (K**-0.5 if scale is None else scale)
-    visible = _visible(B, T, S, kv_lengths, q_offset, causal)
-    if q_segment_ids is not None and kv_segment_ids is not None:
-        same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-        visible = visible & same & (kv_segment_ids != 0)[:, None, :]
-    p, lse = _masked_softmax(s, visible[:, None, None], axis=-1)
+    shown = _visible(B, T, S, kv_lengths, q_offset, causal, q_segment_ids, kv_segment_ids)
+    p, lse = _masked_softmax(s, shown[:, None, None], axis=-1)
     o = jnp.einsum("bhgqs,bshk->bqhgk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, K).astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(B, T, H)
 

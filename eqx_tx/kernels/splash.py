@@ -6,7 +6,7 @@ runs one sequence at a time with heads leading (`[heads, seq, head_dim]`, keys a
 values with fewer heads for GQA), applies no score scale, and takes per-token
 segment ids for anything beyond its static causal mask.
 
-`splash_attention` maps the masking rule of `eqx_tx.kernels.flash` onto that:
+`splash_attention` maps the masking rule (`eqx_tx.kernels.mask`) onto that:
 
 - the scale multiplies the queries;
 - a causal mask over `[seq, seq]` (queries and keys are the same tokens);

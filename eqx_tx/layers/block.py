@@ -6,10 +6,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from ..cache.base import AbstractCache
 from ..core.compute import LAYER_INPUT, ComputeConfig
-from ..core.sharding import AnyMesh, constrain
-from .attention import Attention, AttentionMask
-from ..cache.dense import Cache
+from ..core.sharding import constrain
+from .attention import Attention
+from .inputs import LayerInputs
 from .mlp import GatedMLP
 from .moe import MoE, RouterStats
 from .norm import RMSNorm
@@ -25,7 +26,7 @@ class BlockOutput(eqx.Module):
     """
 
     hidden: Float[Array, "batch seq embed"]
-    cache: Cache | None = None
+    cache: AbstractCache | None = None
     router_stats: RouterStats | None = None
 
 
@@ -43,40 +44,21 @@ class DecoderBlock(eqx.Module):
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq embed"],
-        *,
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
-        mask: AttentionMask,
-        compute: ComputeConfig,
-        mesh: AnyMesh | None = None,
-        cache: Cache | None = None,
-        layer: Int[Array, ""] | None = None,
-        positions: Int[Array, "batch seq"] | None = None,
-    ) -> BlockOutput:
-        """**Arguments:** as `Attention.__call__`. **Returns:** a `BlockOutput` (with this
-        layer's router statistics for an MoE block)."""
-        h, cache = self.self_attn(
-            self.input_layernorm(x),
-            cos=cos,
-            sin=sin,
-            mask=mask,
-            compute=compute,
-            mesh=mesh,
-            cache=cache,
-            layer=layer,
-            positions=positions,
-        )
+    def __call__(self, x: Float[Array, "batch seq embed"], inputs: LayerInputs) -> BlockOutput:
+        """**Arguments:** the hidden states and the layer's `LayerInputs`. **Returns:** a
+        `BlockOutput` (with this layer's router statistics for an MoE block)."""
+        with jax.named_scope("attn"):
+            h, cache = self.self_attn(self.input_layernorm(x), inputs)
         x = x + checkpoint_name(h, "block_attn_out")
-        if isinstance(self.mlp, MoE):
-            valid = None if mask.kv_lengths is None or positions is None else positions < mask.kv_lengths[:, None]
-            if mask.segment_ids is not None:
-                valid = (mask.segment_ids != 0) if valid is None else valid & (mask.segment_ids != 0)
-            y, stats = self.mlp(self.post_attention_layernorm(x), valid, mesh=mesh)
-            return BlockOutput(x + y, cache, stats)
-        return BlockOutput(x + self.mlp(self.post_attention_layernorm(x)), cache)
+        with jax.named_scope("mlp"):
+            if isinstance(self.mlp, MoE):
+                mask, positions = inputs.mask, inputs.positions
+                valid = None if mask.kv_lengths is None else positions < mask.kv_lengths[:, None]
+                if mask.segment_ids is not None:
+                    valid = (mask.segment_ids != 0) if valid is None else valid & (mask.segment_ids != 0)
+                y, stats = self.mlp(self.post_attention_layernorm(x), valid, mesh=inputs.mesh)
+                return BlockOutput(x + y, cache, stats)
+            return BlockOutput(x + self.mlp(self.post_attention_layernorm(x)), cache)
 
 
 def stack_length(stacked: eqx.Module) -> int:
@@ -107,14 +89,8 @@ def activation_axes(compute: ComputeConfig) -> tuple[str, str, str]:
 def run_stack(
     layers: DecoderBlock | tuple[DecoderBlock, ...],
     x: Float[Array, "batch seq embed"],
+    inputs: LayerInputs,
     *,
-    cos: Float[Array, "batch seq head_dim"],
-    sin: Float[Array, "batch seq head_dim"],
-    mask: AttentionMask,
-    compute: ComputeConfig,
-    mesh: AnyMesh | None = None,
-    cache: Cache | None = None,
-    positions: Int[Array, "batch seq"] | None = None,
     stats: RouterStats | None = None,
 ) -> BlockOutput:
     """Run the stacked blocks with `lax.scan`, each step under `filter_checkpoint`.
@@ -126,13 +102,15 @@ def run_stack(
     copy.
 
     A tuple of per-layer blocks (`unstack`) runs unrolled, one block after another
-    (decoding on CPU: see `ComputeConfig.decode_layers`).
+    (decoding on CPU: see `ComputeConfig.decode_layers`). `inputs.cache` is the
+    cache the first layer reads; each layer gets it with its keys/values written so
+    far, and its index.
     """
+    compute, cache = inputs.compute, inputs.cache
     axes = activation_axes(compute)
 
     def apply(carry: BlockOutput, block: DecoderBlock, index: Int[Array, ""]) -> BlockOutput:
-        out = block(checkpoint_name(carry.hidden, LAYER_INPUT), cos=cos, sin=sin, mask=mask, compute=compute,
-                    mesh=mesh, cache=carry.cache, layer=index, positions=positions)
+        out = block(checkpoint_name(carry.hidden, LAYER_INPUT), inputs.at_layer(index, carry.cache))
         total = carry.router_stats
         if total is not None and out.router_stats is not None:
             total = total + out.router_stats

@@ -5,25 +5,23 @@ The pytree mirrors Hugging Face's module tree (`model.embed_tokens`,
 the layer index inserted for the stacked `model.layers` (`eqx_tx.core.tree.stacked`).
 """
 
-import functools
-from collections.abc import Callable
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..core.compute import ComputeConfig
-from ..layers.attention import Attention, AttentionMask
+from ..cache.base import AbstractCache
+from ..kernels.mask import AttentionMask
+from ..layers.attention import Attention
 from ..layers.block import DecoderBlock, run_stack
-from ..cache.dense import Cache, KVCache, SharedPrefixCache
-from ..cache.paged import PagedKVCache
+from ..layers.inputs import LayerInputs
 from ..layers.linear import Embedding, Linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE, RouterStats
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
-from ..core.sharding import abstract_with_shardings, constrain, current_mesh, tree_shardings
+from ..core.sharding import constrain, current_mesh
 from ..core.tree import stacked
 from .config import TransformerConfig
 
@@ -38,7 +36,7 @@ class ModelOutput(eqx.Module):
     """
 
     hidden: Float[Array, "batch seq embed"]
-    cache: Cache | None = None
+    cache: AbstractCache | None = None
     router_stats: RouterStats | None = None
 
 
@@ -128,7 +126,7 @@ class CausalLM(eqx.Module):
         positions: Int[Array, "batch seq"],
         mask: AttentionMask,
         compute: ComputeConfig,
-        cache: Cache | None = None,
+        cache: AbstractCache | None = None,
         rope_positions: Int[Array, "batch seq"] | None = None,
     ) -> ModelOutput:
         """Final-norm hidden states of every position (no LM head).
@@ -158,71 +156,19 @@ class CausalLM(eqx.Module):
         seq_len = _longest_sequence(positions, rope_positions, mask, cache) if c.rope.depends_on_length else None
         cos, sin = rope_cos_sin(rope_positions, c.head_dim, c.rope, seq_len)
         stats = RouterStats.zeros(c.num_experts_per_tok, c.num_experts) if c.num_experts else None
-        out = run_stack(
-            self.model.layers, x, cos=cos, sin=sin, mask=mask, compute=compute, mesh=mesh, cache=cache,
-            positions=positions, stats=stats,
-        )
+        inputs = LayerInputs(positions, cos, sin, mask, compute, mesh, cache)
+        out = run_stack(self.model.layers, x, inputs, stats=stats)
         # The LM head reads whole sequences (gathered again under sequence parallelism).
         hidden = constrain(self.model.norm(out.hidden), ("batch", "seq", "act_embed"))
         return ModelOutput(hidden, out.cache, out.router_stats)
 
 
-def _longest_sequence(positions, rope_positions, mask: AttentionMask, cache: Cache | None) -> Int[Array, ""]:
+def _longest_sequence(positions, rope_positions, mask: AttentionMask, cache: AbstractCache | None) -> Int[Array, ""]:
     """`max(position) + 1` over this call's real tokens (not padding): the sequence
     length that length-dependent RoPE scaling (dynamic, longrope) uses, as HF does."""
     real = jnp.ones(positions.shape, bool)
-    if mask.kv_lengths is not None and not isinstance(cache, SharedPrefixCache):
+    if mask.kv_lengths is not None and not (cache is not None and cache.masks_completion_only):
         real = positions < mask.kv_lengths[:, None]  # (a shared-prefix mask covers the completion only)
     if mask.segment_ids is not None:
         real = real & (mask.segment_ids != 0)
     return jnp.max(jnp.where(real, rope_positions, 0)) + 1
-
-
-def new_cache(
-    config: TransformerConfig, batch: int, max_len: int, dtype, *, mesh=None, abstract: bool = False
-) -> KVCache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens, created directly
-    in its sharding on `mesh` (kv heads over `tp`, batch over `dp`).
-
-    **Arguments:**
-
-    - `config`: the model's architecture.
-    - `batch`, `max_len`: the cache's size.
-    - `dtype`: the storage dtype; `int8` stores int8 values with float32 scales.
-    - `mesh`: place (or describe) the cache on this mesh (`None`: one device).
-    - `abstract`: return sharded `jax.ShapeDtypeStruct`s instead of arrays (for
-      compile-only memory analysis).
-    """
-    return _placed(KVCache.zeros, dict(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
-                                       kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                       dtype=jnp.dtype(dtype)), mesh, abstract)
-
-
-def new_paged_cache(
-    config: TransformerConfig, *, pages: int, page_size: int, batch: int, pages_per_seq: int, dtype, mesh=None,
-    abstract: bool = False,
-) -> PagedKVCache:
-    """An empty page pool of `pages` pages of `page_size` tokens and an unallocated
-    page table for `batch` sequences of up to `pages_per_seq` pages, placed like
-    `new_cache` (kv heads over `tp`)."""
-    return _placed(PagedKVCache.zeros, dict(layers=config.num_hidden_layers, pages=pages, page_size=page_size,
-                                            kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                            dtype=jnp.dtype(dtype), batch=batch, pages_per_seq=pages_per_seq),
-                   mesh, abstract)
-
-
-def _placed(zeros: Callable, sizes: dict, mesh, abstract: bool):
-    """`zeros(**sizes)` created in its sharding on `mesh`, or as sharded shapes if `abstract`."""
-    if abstract:
-        shapes = jax.eval_shape(functools.partial(zeros, **sizes))
-        return shapes if mesh is None else abstract_with_shardings(shapes, mesh)
-    return _allocator(zeros, tuple(sizes.items()), mesh)()
-
-
-@functools.lru_cache(maxsize=64)
-def _allocator(zeros: Callable, sizes: tuple, mesh) -> Callable:
-    """`zeros` of `sizes`, jitted once per (sizes, mesh): a new jit per cache would
-    compile again on every `generate` call (~30 ms on CPU)."""
-    make = functools.partial(zeros, **dict(sizes))
-    shardings = None if mesh is None else tree_shardings(jax.eval_shape(make), mesh)
-    return jax.jit(make, out_shardings=shardings)

@@ -7,20 +7,18 @@ and `logprobs` (the sampled token's log-probability; no alternatives). With a
 LoRA adapter bank, each adapter is served as a model of its own name and requests
 for different adapters share the engine's batches.
 
-One thread owns the engine (`EngineLoop`): requests reach it through a queue, it
-steps while any request is waiting or running, and each request's tokens go back
-to its handler's asyncio queue. A bad request gets a 4xx answer in OpenAI's error
-format and the engine keeps serving; a client that disconnects has its requests
-cancelled, so their pages are freed at once.
+One thread owns the engine (`eqx_tx.serve.loop.EngineLoop`): requests reach it
+through a typed inbox, it steps while any request is waiting or running, and each
+request's tokens go back to its handler's asyncio queue. A bad request gets a 4xx
+answer in OpenAI's error format and the engine keeps serving; a client that
+disconnects has its requests cancelled, so their pages are freed at once; a failing
+engine step answers every open request with a 500 error.
 """
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
-import queue
 import random
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -31,84 +29,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..core.log import logger
-from ..infer.engine import Engine, TokenEvent
+from ..infer.scheduler import TokenEvent
+from .loop import EngineFailure, EngineLoop, EngineStopped
 from ..infer.sampling import SamplingParams
 from ..infer.text import Message, Tokenizer
-
-
-class EngineLoop:
-    """Runs `engine` in a background thread; thread-safe `submit` and `cancel`."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._listeners: dict[int, Callable[[TokenEvent], object]] = {}
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="eqx_tx-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, prompt: list[int], params: SamplingParams, sample: int,
-               listener: Callable[[TokenEvent], object], adapter: int | None = None) -> concurrent.futures.Future:
-        """Queue a request (with `adapter` of a LoRA bank); the future gives its id (or
-        the engine's `ValueError`), and `listener` is called from the engine thread
-        with each of its tokens."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", (prompt, params, sample, adapter, listener), future))
-        return future
-
-    def cancel(self, request_id: int) -> None:
-        self._inbox.put(("cancel", request_id, None))
-
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run `fn(engine)` in the engine thread and return its result (for inspection)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, future))
-        return future.result()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._inbox.put(("wake", None, None))
-        self._thread.join()
-
-    def _handle(self, kind: str, payload, future) -> None:
-        if kind == "add":
-            prompt, params, sample, adapter, listener = payload
-            try:
-                request_id = self.engine.add(prompt, params, sample=sample, adapter=adapter)
-            except ValueError as e:
-                future.set_exception(e)
-                return
-            self._listeners[request_id] = listener
-            future.set_result(request_id)
-        elif kind == "cancel":
-            self.engine.cancel(payload)
-            self._listeners.pop(payload, None)
-        elif kind == "call":
-            future.set_result(payload(self.engine))
-
-    def _run(self) -> None:
-        while not self._stopped:
-            try:  # block only when there is nothing to step
-                self._handle(*self._inbox.get(block=not self.engine.has_work()))
-                while True:
-                    self._handle(*self._inbox.get_nowait())
-            except queue.Empty:
-                pass
-            if self._stopped or not self.engine.has_work():
-                continue
-            try:
-                events = self.engine.step()
-            except Exception:  # a failing step must not leave handlers waiting forever
-                logger.exception("engine step failed")
-                raise
-            for event in events:
-                listener = self._listeners.get(event.request_id)
-                if listener is not None:
-                    listener(event)
-                if event.finish_reason is not None:
-                    self._listeners.pop(event.request_id, None)
-                    self.engine.result(event.request_id)  # the handler has every token
 
 
 class _Sampled(BaseModel):
@@ -173,7 +97,8 @@ class _Job:
         self.choices = [_Choice(tokenizer.decode_stream()) for _ in range(n)]
         self._longest_stop = max(map(len, stop), default=0)
         self.ids: list[int | None] = [None] * n
-        self._events: asyncio.Queue = asyncio.Queue()
+        self.failed: str | None = None
+        self._events: asyncio.Queue[tuple[int, TokenEvent | EngineFailure]] = asyncio.Queue()
         aio = asyncio.get_running_loop()
         self._futures = [
             loop.submit(prompt, params, j, lambda e, j=j: aio.call_soon_threadsafe(self._events.put_nowait, (j, e)),
@@ -189,6 +114,8 @@ class _Job:
         except ValueError as e:
             self.cancel()
             raise ApiError(400, str(e), kind="invalid_request_error") from e
+        except EngineStopped as e:
+            raise ApiError(503, str(e), kind="server_error") from e
 
     def cancel(self) -> None:
         """Cancel every unfinished request (once the engine has taken it)."""
@@ -203,6 +130,10 @@ class _Job:
     async def next(self) -> int:
         """Take one token event; returns the index of the choice it extended."""
         j, event = await self._events.get()
+        if isinstance(event, EngineFailure):
+            self.failed = event.message
+            raise ApiError(500, f"the engine failed while running this request: {event.message}",
+                           kind="server_error")
         choice = self.choices[j]
         if choice.finish_reason is not None:  # cut by a stop string; late tokens are dropped
             return j
@@ -300,7 +231,11 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                 for j in range(len(job.choices)):
                     yield _sse(chunk(job, j, True))
                 while not job.done:
-                    j = await job.next()
+                    try:
+                        j = await job.next()
+                    except ApiError as e:  # mid-stream: the error as the last event
+                        yield _sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
+                        return
                     yield _sse(chunk(job, j, False))
                 yield _sse("[DONE]")
             finally:  # also when the client went away mid-stream: free its pages

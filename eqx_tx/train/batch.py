@@ -1,10 +1,19 @@
 """The training batch: what the data path produces and `train_step` consumes."""
 
+import dataclasses
+
 import equinox as eqx
 import numpy as np
 from jaxtyping import Array, Float, Int
 
 HostOrDevice = Array | np.ndarray  # numpy on the host (the data path), jax arrays on devices
+PER_TOKEN = "per_token"
+
+
+def per_token(default=None):
+    """A `Batch` field of one value per token (`[batch, seq]`): packing by token budget
+    (`eqx_tx.train.token_budget`) moves it along with its sequence's tokens."""
+    return eqx.field(default=default, metadata={PER_TOKEN: True})
 
 
 class Batch(eqx.Module):
@@ -29,15 +38,24 @@ class Batch(eqx.Module):
     `adapter_ids` (for a model with a LoRA bank, `apply_lora(..., adapters=n)`) names
     each row's adapter. Each adapter's loss is normalised over its own rows, as if it
     trained alone; the step's loss is their sum.
+
+    Fields of one value per token are declared with `per_token()`; `lengths`,
+    `segment_ids` and `adapter_ids` describe the layout (rebuilt when sequences are
+    packed). A subclass may add per-token fields of its own.
     """
 
-    input_ids: Int[HostOrDevice, "batch seq"]
-    target_ids: Int[HostOrDevice, "batch seq"]
-    loss_weights: Float[HostOrDevice, "batch seq"]
+    input_ids: Int[HostOrDevice, "batch seq"] = eqx.field(metadata={PER_TOKEN: True})
+    target_ids: Int[HostOrDevice, "batch seq"] = eqx.field(metadata={PER_TOKEN: True})
+    loss_weights: Float[HostOrDevice, "batch seq"] = eqx.field(metadata={PER_TOKEN: True})
     lengths: Int[HostOrDevice, " batch"]
     segment_ids: Int[HostOrDevice, "batch seq"] | None = None
-    sampler_logprobs: Float[HostOrDevice, "batch seq"] | None = None
-    advantages: Float[HostOrDevice, "batch seq"] | None = None
-    reference_logprobs: Float[HostOrDevice, "batch seq"] | None = None
-    group_ids: Int[HostOrDevice, "batch seq"] | None = None
+    sampler_logprobs: Float[HostOrDevice, "batch seq"] | None = per_token()
+    advantages: Float[HostOrDevice, "batch seq"] | None = per_token()
+    reference_logprobs: Float[HostOrDevice, "batch seq"] | None = per_token()
+    group_ids: Int[HostOrDevice, "batch seq"] | None = per_token()
     adapter_ids: Int[HostOrDevice, " batch"] | None = None
+
+    @classmethod
+    def per_token_fields(cls) -> tuple[str, ...]:
+        """The names of the fields declared `per_token` (a subclass's included)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(PER_TOKEN))

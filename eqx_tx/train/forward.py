@@ -13,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..core.compute import ComputeConfig
-from ..layers.attention import AttentionMask
+from ..kernels.mask import AttentionMask
 from ..models import CausalLM
 from ..models.config import TransformerConfig
 from ..core.sharding import RULES, mesh_context, tree_shardings
@@ -76,7 +76,8 @@ def check_segment_ids(segment_ids, lengths) -> None:
 
 
 @functools.partial(jax.jit, static_argnames="compute")
-def _logits(model: CausalLM, input_ids, lengths, compute: ComputeConfig, segment_ids=None):
+def logits_jit(model: CausalLM, input_ids, lengths, compute: ComputeConfig, segment_ids=None):
+    """`logits` on key lengths `[batch]` (and segment ids), jitted: full float32 logits."""
     B, T = input_ids.shape
     rope = None if segment_ids is None else segment_positions(segment_ids)
     out = model.hidden_states(input_ids, positions=positions_for(B, T), mask=AttentionMask(lengths, 0, segment_ids),
@@ -111,7 +112,7 @@ def logits(
     B, T = input_ids.shape
     lengths, segment_ids = lengths_and_segments(attention_mask, segment_ids, T, B)
     with mesh_context(model):
-        return _logits(model, input_ids, lengths, compute, segment_ids)
+        return logits_jit(model, input_ids, lengths, compute, segment_ids)
 
 
 def init_model(

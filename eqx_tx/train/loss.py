@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 from ..core.compute import ComputeConfig
 from .forward import lengths_and_segments, positions_for, segment_positions
 from ..kernels.ring import to_context_layout
-from ..layers.attention import AttentionMask
+from ..kernels.mask import AttentionMask
 from ..layers.moe import RouterStats
 from ..models import CausalLM
 from ..core.sharding import constrain, context_parallel_size
@@ -100,6 +100,7 @@ def _forward(hidden, weight, targets, token_weights, chunking: _Chunking, wanted
     c = chunking.positions
     wanted = wanted if token_weights is not None else (False, False)
 
+    @jax.named_scope("loss_chunk")
     def chunk(i, carry):
         scores, grads = carry
         h = _slice(hidden, i, c)
@@ -151,6 +152,7 @@ def _chunked_logprobs_bwd(residuals, g, perturbed, hidden_weight, targets, token
         g_logp, g_ent = (jnp.zeros_like(lse) if x is None else x for x in (g_logp, g_ent))
         c = chunking.positions
 
+        @jax.named_scope("loss_chunk_backward")
         def chunk(i, grads):
             h = _slice(hidden, i, c)
             g_c, lse_c = _slice(g_logp, i, c)[..., None], _slice(lse, i, c)[..., None]

@@ -220,14 +220,9 @@ def nonzero_count(weights) -> Float[Array, ""]:
 def policy_loss(
     model: CausalLM,
     batch: Batch,
+    config: PolicyLoss = PolicyLoss(),
     *,
-    loss: PolicyLossKind = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    normalise: Normalise | float = "token",
-    kl_coef: float = 0.0,
     reference_logprobs: Float[Array, "batch seq"] | None = None,
-    entropy_coef: float = 0.0,
     compute: ComputeConfig = ComputeConfig(),
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
@@ -242,15 +237,14 @@ def policy_loss(
     - `batch`: sampled sequences with `sampler_logprobs` and `advantages` (and
       `group_ids` for `normalise="group"`); `loss_weights` masks the prompt and
       padding (or weighs tokens).
-    - `loss`, `clip_low`, `clip_high`, `normalise`, `kl_coef`, `entropy_coef`: the
-      objective (see `eqx_tx.train.policy` and `PolicyLoss`).
+    - `config`: the objective (`PolicyLoss`: loss, clips, normalisation, KL and
+      entropy weights; the formulas in this module's docstring).
     - `reference_logprobs`: the reference policy's log-probs for the KL penalty
       (default: `batch.reference_logprobs`).
     - `compute`, `chunk_size`: how the model runs; tokens per LM-head chunk.
 
     **Returns:** the loss and the metrics of `policy_objective`.
     """
-    config = PolicyLoss(loss, clip_low, clip_high, normalise, kl_coef, entropy_coef)
     if reference_logprobs is not None:
         batch = eqx.tree_at(lambda b: b.reference_logprobs, batch, reference_logprobs,
                             is_leaf=lambda x: x is None)

@@ -12,11 +12,8 @@ compiles the step for a handful of shapes only.
 
 import numpy as np
 
-from .batch import Batch
 from ..core.util import ceil_div
-
-_PER_TOKEN = ("input_ids", "target_ids", "loss_weights", "sampler_logprobs", "advantages", "reference_logprobs",
-              "group_ids")
+from .batch import Batch
 
 
 def _sequences(batch: Batch) -> list[tuple[int, int, int]]:
@@ -65,8 +62,9 @@ def pack_by_tokens(batch: Batch, max_tokens: int, *, rows_multiple: int = 1) -> 
             bins.append((adapter, e - s, [(b, s, e)]))
     micro_batches = 1 << max(0, (ceil_div(max(len(bins), 1), rows_multiple) - 1).bit_length())
     rows = micro_batches * rows_multiple
+    per_token = batch.per_token_fields()  # what moves with each sequence's tokens
     out = {}
-    for name in _PER_TOKEN:
+    for name in per_token:
         x = getattr(batch, name)
         out[name] = None if x is None else np.zeros((rows, max_tokens), np.asarray(x).dtype)
     segments = np.zeros((rows, max_tokens), np.int32)
@@ -76,7 +74,7 @@ def pack_by_tokens(batch: Batch, max_tokens: int, *, rows_multiple: int = 1) -> 
     for r, (adapter, used, members) in enumerate(bins):
         at = 0
         for k, (b, s, e) in enumerate(members, 1):
-            for name in _PER_TOKEN:
+            for name in per_token:
                 if out[name] is not None:
                     out[name][r, at : at + e - s] = np.asarray(getattr(batch, name))[b, s:e]
             segments[r, at : at + e - s] = k
@@ -84,5 +82,5 @@ def pack_by_tokens(batch: Batch, max_tokens: int, *, rows_multiple: int = 1) -> 
         lengths[r] = used
         if adapter_ids is not None:
             adapter_ids[r] = adapter
-    packed = Batch(**out, lengths=lengths, segment_ids=segments, adapter_ids=adapter_ids)
+    packed = type(batch)(**out, lengths=lengths, segment_ids=segments, adapter_ids=adapter_ids)
     return packed, micro_batches

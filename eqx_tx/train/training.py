@@ -228,7 +228,7 @@ def _micro_batch_loss(params, frozen, batch: Batch, coefficients, config: TrainC
     return loss, {"loss": objective, "load_balancing_loss": balance, **metrics}
 
 
-def _loss_and_grads(params, frozen, batch: Batch, coefficients, config: TrainConfig, count):
+def loss_and_grads(params, frozen, batch: Batch, coefficients, config: TrainConfig, count):
     """The step's metrics and float32 gradients, accumulated over micro-batches."""
     grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
     m = config.micro_batches
@@ -278,7 +278,7 @@ def train_step_jit(params, opt_state, step, frozen, batch: Batch, config: TrainC
     count = nonzero_count(batch.loss_weights)
     adapters = lora_settings(params)["adapters"] if has_bank(params) else None  # the bank's size
     coefficients = _coefficients(batch, config, adapters)
-    metrics, grads = _loss_and_grads(params, frozen, batch, coefficients, config, count)
+    metrics, grads = loss_and_grads(params, frozen, batch, coefficients, config, count)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     optimizer = make_optimizer(config.optimizer, params)
     if config.offload_optimizer:

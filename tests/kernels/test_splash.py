@@ -12,7 +12,7 @@ import eqx_tx
 from eqx_tx.kernels import dispatch
 from eqx_tx.kernels.sdpa import xla_attention
 from eqx_tx.kernels.splash import splash_attention, splash_tile
-from eqx_tx.train.training import Batch, TrainConfig, _loss_and_grads
+from eqx_tx.train.training import Batch, TrainConfig, loss_and_grads
 from tests.hf_utils import make_hf_checkpoint
 
 B, T, H, HKV, K = 3, 256, 4, 2, 64
@@ -137,7 +137,7 @@ def test_train_step_with_splash_equals_xla(monkeypatch, tmp_path, remat, mesh_sh
     def run(attention):
         compute = eqx_tx.ComputeConfig(attention=attention, remat=remat, remat_names=("attention",))
         config = TrainConfig(loss_chunk_size=64, compute=compute)
-        metrics, grads = jax.jit(_loss_and_grads, static_argnums=4)(params, frozen, batch, coefficients, config,
+        metrics, grads = jax.jit(loss_and_grads, static_argnums=4)(params, frozen, batch, coefficients, config,
                                                                        batch.loss_weights.sum())
         return float(metrics["loss"]), jax.tree.leaves(grads)
 
@@ -164,7 +164,7 @@ def test_prefill_from_position_0_runs_splash_over_its_own_keys(monkeypatch, tmp_
     those slots before it reads them)."""
     from eqx_tx.infer.generation import prefill
     from eqx_tx.kernels import sdpa
-    from eqx_tx.models.transformer import new_cache
+    from eqx_tx.cache.allocate import new_cache
 
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.train.training import _coefficients, _loss_and_grads
+from eqx_tx.train.training import _coefficients, loss_and_grads
 from tests.hf_utils import ragged_batch
 from tests.lora_util import perturbed_adapters
 
@@ -82,14 +82,14 @@ def test_bank_gradients_and_adamw_steps_equal_separate_runs(checkpoints):
     state = eqx_tx.init_train_state(bank, config)
     b = jax.tree.map(jnp.asarray, batches[0])
     coefficients = _coefficients(b, config, ADAPTERS)
-    _, grads = jax.jit(_loss_and_grads, static_argnums=4)(state.params, state.frozen, b, coefficients, config,
+    _, grads = jax.jit(loss_and_grads, static_argnums=4)(state.params, state.frozen, b, coefficients, config,
                                                           jnp.float32(1))
     grads = eqx.combine(grads, state.frozen)
     for k in range(3):
         single = eqx_tx.init_train_state(eqx_tx.adapter_slot(bank, k), config)
         rows = jax.tree.map(jnp.asarray, _alone(_padded(_batch(V, np.flatnonzero(ROW_ADAPTERS == k)), 3)))
         c = _coefficients(rows, config, None)
-        _, g = jax.jit(_loss_and_grads, static_argnums=4)(single.params, single.frozen, rows, c, config, jnp.float32(1))
+        _, g = jax.jit(loss_and_grads, static_argnums=4)(single.params, single.frozen, rows, c, config, jnp.float32(1))
         mine = eqx.filter(eqx_tx.adapter_slot(grads, k), eqx.is_array)
         for x, y in zip(jax.tree.leaves(eqx.filter(mine, eqx_tx.layers.lora.lora_filter(mine))), jax.tree.leaves(g)):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_tx
 from eqx_tx.train.forward import positions_for
-from eqx_tx.layers.attention import AttentionMask
+from eqx_tx.kernels.mask import AttentionMask
 from eqx_tx.layers.lora import apply_lora
 from tests.hf_utils import hf_model, ragged_batch
 
@@ -84,9 +84,9 @@ def test_no_dense_tokens_by_experts_by_hidden_buffer():
     model = eqx_tx.io.loading.abstract_model(config, jnp.float32)
     B, T = 3, 8  # 24 tokens
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    from eqx_tx.train.forward import _logits
+    from eqx_tx.train.forward import logits_jit
 
-    hlo = jax.jit(_logits, static_argnames="compute").lower(
+    hlo = jax.jit(logits_jit, static_argnames="compute").lower(
         model, ids, jax.ShapeDtypeStruct((B,), jnp.int32), compute=eqx_tx.ComputeConfig()
     ).compile().as_text()
     shapes = [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([0-9,]+)\]", hlo)]

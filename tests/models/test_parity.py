@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.train.forward import _logits, lengths_from_mask
+from eqx_tx.train.forward import logits_jit, lengths_from_mask
 from eqx_tx.io.hf_params import hf_tensors
 from eqx_tx.train.remat_auto import remat_candidates
 from tests.hf_utils import hf_logits, hf_model, per_expert, ragged_batch
@@ -52,7 +52,7 @@ def test_left_padded_mask_is_refused(checkpoints):
 
 
 def _mean_next_token_ce(model, ids, lengths, compute):
-    logits = _logits(model, ids, lengths, compute)
+    logits = logits_jit(model, ids, lengths, compute)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     tgt = ids[:, 1:]
     nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]

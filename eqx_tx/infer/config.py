@@ -1,0 +1,43 @@
+"""The engine's settings, one frozen config that the tools and benchmarks embed."""
+
+import dataclasses
+from typing import Literal
+
+CacheDtype = Literal["auto", "float32", "bfloat16", "int8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How `eqx_tx.Engine` batches requests over its page pool."""
+
+    max_seqs: int = 16
+    """Sequences decoded at once (engine slots)."""
+    max_tokens_in_cache: int = 65536
+    """The KV page pool's size in tokens, shared by all requests (rounded down to whole pages)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    prefill_chunk: int = 256
+    """Prompt positions prefilled per request and engine step (shorter remainders run in
+    the smallest power-of-two chunk, at least 16, that holds them)."""
+    prefill_rows: int = 4
+    """Requests prefilled together in one engine step (a power of two)."""
+    max_seq_len: int | None = None
+    """The longest prompt + max_new_tokens a request may have (default: the pool, or the
+    model's position limit if smaller)."""
+    kv_cache_dtype: CacheDtype = "auto"
+    """The page pool's dtype (auto: the model's; int8: int8 with a float32 scale per token and kv head)."""
+
+    def __post_init__(self):
+        for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_rows & (self.prefill_rows - 1):
+            raise ValueError(f"prefill_rows must be a power of two, got {self.prefill_rows}")
+        if self.max_tokens_in_cache < self.page_size:
+            raise ValueError(f"max_tokens_in_cache {self.max_tokens_in_cache} holds no page of {self.page_size} tokens")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_tokens_in_cache // self.page_size

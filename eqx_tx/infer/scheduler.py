@@ -1,0 +1,347 @@
+"""The engine's host side: which requests run, which pages they hold, what each step does.
+
+`Scheduler` knows requests, slots and pages, never a model or an array on a device,
+so it is tested on its own. Each `schedule()`:
+
+1. admits waiting requests (oldest first) into free slots while the pool has
+   pages for their prompts (and the first new token); requests get more pages as
+   they grow, and when none is left the newest request is preempted: its pages are
+   freed (its full ones stay cached) and it waits at the front of the queue, to be
+   prefilled again with the tokens it already has (mostly from the prefix cache) and
+   go on where it stopped, so a full pool makes requests wait, never fail;
+2. plans one prefill chunk (`prefill_chunk` positions) of each of the `prefill_rows`
+   oldest admitted requests, starting after the longest prefix whose pages are
+   cached from earlier requests (`eqx_tx.infer.page_pool`);
+3. plans one decode step for every running request, handing out pages as they fill.
+
+It returns a `StepPlan` of padded numpy arrays (a few power-of-two shapes, so little
+compiles) that a runner executes (`eqx_tx.infer.runner`); `finish_step` then takes
+the sampled tokens and returns one `TokenEvent` per running request.
+"""
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..core.util import ceil_div
+from .page_pool import PagePool
+from .sampling import SamplingParams
+from .steps import STOP_REASONS, Generation
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One new token of a request; `finish_reason` is `"stop"` or `"length"` on its last."""
+
+    request_id: int
+    token: int
+    logprob: float
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A request's host-side state."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    sample: int  # which of its prompt's n samples (its seed stream)
+    adapter: int | None
+    stop: frozenset[int]
+    pages_needed: int
+    promised: int = 0  # pages promised and not yet taken
+    slot: int | None = None
+    admitted: int = 0  # admission order (the newest is preempted first)
+    context: list[int] = dataclasses.field(default_factory=list)  # prefilled on admission: prompt + tokens so far
+    pages: list[int] = dataclasses.field(default_factory=list)
+    looked_up: bool = False  # the prefix cache was asked
+    prefilled: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.slot is not None and self.prefilled == len(self.context)
+
+    @property
+    def namespace(self) -> int:
+        """Its prefix-cache namespace: keys/values are shared only within one adapter."""
+        return self.adapter or 0
+
+    @property
+    def written(self) -> list[int]:
+        """The tokens whose keys/values are in its pages (every sampled token is fed)."""
+        return self.prompt + self.tokens if self.running else self.context[: self.prefilled]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    """One chunk of `C` positions of `P` contexts (padding rows: unallocated pages,
+    out-of-range `rows`)."""
+
+    rows: np.ndarray  # [P] the slot whose next-token logits a context's last chunk sets
+    table: np.ndarray  # [P, pages_per_seq]
+    tokens: np.ndarray  # [P, C]
+    start: np.ndarray  # [P] the chunk's first position
+    length: np.ndarray  # [P] the context's length
+    adapters: np.ndarray | None  # [P] each context's adapter of a bank
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step of the running requests, padded to `R` rows."""
+
+    requests: tuple[Request, ...]
+    rows: np.ndarray  # [R] slots
+    table: np.ndarray  # [R, pages_per_seq]
+    positions: np.ndarray  # [R] where each row's new token is written
+    generated: np.ndarray  # [R] tokens generated so far (the sampler's step)
+    adapters: np.ndarray | None  # [R]
+
+    @property
+    def sampler_key(self) -> tuple:
+        return tuple(r.id for r in self.requests), len(self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one engine step runs: a prefill chunk, then a decode step (either may be absent)."""
+
+    prefill: PrefillBatch | None
+    decode: DecodeBatch | None
+
+
+class Scheduler:
+    """Requests, slots and the page pool of an engine (no model, no device arrays).
+
+    **Arguments:** `max_seqs` slots; a pool of `num_pages` pages of `page_size`
+    tokens; requests of up to `pages_per_seq` pages; `prefill_chunk` and
+    `prefill_rows` as in `EngineConfig`; `bank`: requests name an adapter of a LoRA
+    bank (padding rows get adapter 0).
+    """
+
+    def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int, prefill_chunk: int,
+                 prefill_rows: int, bank: bool = False):
+        self.max_seqs, self.num_pages, self.page_size = max_seqs, num_pages, page_size
+        self.prefill_chunk, self.prefill_rows, self.bank = prefill_chunk, prefill_rows, bank
+        self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
+        self.pool = PagePool(num_pages, page_size)
+        self.prompt_tokens = self.cached_tokens = self.preemptions = self._admissions = 0
+        self.slots: list[Request | None] = [None] * max_seqs
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.finished: dict[int, Generation] = {}
+        self._next_id = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, prompt: list[int], params: SamplingParams, *, sample: int, adapter: int | None,
+            stop: Sequence[int]) -> int:
+        """Queue a checked request; returns its id. Raises `ValueError` if the pool can
+        never hold it."""
+        need = ceil_div(len(prompt) + params.max_new_tokens, self.page_size)
+        if need > self.num_pages:
+            raise ValueError(f"request needs {need} pages of {self.page_size} tokens; the pool has {self.num_pages}")
+        request = Request(self._next_id, prompt, params, sample, adapter, frozenset(stop), need)
+        self._next_id += 1
+        self.waiting.append(request)
+        return request.id
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a waiting or running request (its slot and pages freed) or a kept result."""
+        self.finished.pop(request_id, None)
+        for request in self.waiting:
+            if request.id == request_id:
+                self.waiting.remove(request)
+                return
+        for request in self.slots:
+            if request is not None and request.id == request_id:
+                self._finish(request, None)
+                return
+
+    def stats(self) -> dict:
+        """Pages referenced and cached, the prefix cache's hit rate (the share of
+        admitted prompt tokens whose keys/values came from the cache), preemptions, and
+        the tokens the running requests hold in their pages (shared ones once each)."""
+        return dict(pages=self.num_pages, pages_in_use=self.pool.referenced, pages_cached=self.pool.cached,
+                    prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                    hit_rate=self.cached_tokens / max(self.prompt_tokens, 1), preemptions=self.preemptions,
+                    tokens_held=sum(len(r.written) for r in self.slots if r is not None))
+
+    def step_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """Every `(chunk, rows)` a prefill batch and every row count a decode batch can
+        have (for compiling them ahead: `Engine.warmup`)."""
+        sizes = {min(self.prefill_chunk, 16 << i) for i in range(max(self.prefill_chunk, 16).bit_length())}
+        prefill_rows = {1 << i for i in range(self.prefill_rows.bit_length())}
+        rows = {min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)}
+        return [(C, P) for C in sorted(sizes) for P in sorted(prefill_rows)], sorted(rows)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Admit, plan one prefill chunk and one decode step (module docstring)."""
+        self._admit()
+        return StepPlan(self._plan_prefill(), self._plan_decode())
+
+    def finish_step(self, batch: DecodeBatch, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenEvent]:
+        """Record each running request's new token (row `i` of `tokens`, `logprobs`);
+        finished requests free their slot and pages. Returns one event per request."""
+        events = []
+        for i, r in enumerate(batch.requests):
+            t, lp = int(tokens[i]), float(logprobs[i])
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            reason = "stop" if t in r.stop else "length" if len(r.tokens) >= r.params.max_new_tokens else None
+            events.append(TokenEvent(r.id, t, lp, reason))
+            if reason is not None:
+                self._finish(r, reason)
+        return events
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            request = self.waiting[0]
+            context = request.prompt + request.tokens  # tokens: those of a preempted request
+            pages = min(request.pages_needed, ceil_div(len(context) + 1, self.page_size))
+            if not self.pool.promise(pages):
+                return  # the oldest waits for pages (no overtaking: no starvation)
+            self.waiting.popleft()
+            request.context, request.promised, request.admitted = context, pages, self._admissions
+            self._admissions += 1
+            request.slot = self.slots.index(None)
+            self.slots[request.slot] = request
+
+    def _page_for(self, request: Request) -> bool:
+        """One more page for `request`, preempting the newest requests while none is left.
+        Returns `False` if `request` itself was preempted."""
+        while request.promised == 0 and not self.pool.promise(1):
+            victim = max((r for r in self.slots if r is not None), key=lambda r: r.admitted)
+            self._release(victim)
+            victim.pages, victim.promised, victim.prefilled, victim.looked_up = [], 0, 0, False
+            self.waiting.appendleft(victim)
+            self.preemptions += 1
+            if victim is request:
+                return False
+        request.promised = max(request.promised, 1)
+        self._take_page(request)
+        return True
+
+    def _take_page(self, request: Request) -> None:
+        assert request.slot is not None and request.promised > 0
+        page = self.pool.take()
+        self.table[request.slot, len(request.pages)] = page
+        request.pages.append(page)
+        request.promised -= 1
+
+    def _reuse_prefix(self, request: Request) -> None:
+        """Start `request` after its longest cached prefix (its last prompt token is
+        always computed: its logits are needed)."""
+        assert request.slot is not None
+        shared = self.pool.share(request.context, (len(request.context) - 1) // self.page_size,
+                                 namespace=request.namespace)
+        request.looked_up, request.pages, request.promised = True, shared, request.promised - len(shared)
+        self.table[request.slot, : len(shared)] = shared
+        request.prefilled = len(shared) * self.page_size
+        self.prompt_tokens += len(request.context)
+        self.cached_tokens += request.prefilled
+
+    def _sharing_in_flight(self, request: Request, others: list[Request]) -> bool:
+        """Whether one of `others` (being prefilled) is computing full pages of
+        `request`'s prefix that the cache does not hold yet: then `request` waits for
+        them and shares them instead of computing them again."""
+        ps, limit = self.page_size, (len(request.context) - 1) // self.page_size
+        cached = self.pool.cached_pages(request.context, limit, namespace=request.namespace)
+        for other in others:
+            if other.namespace != request.namespace:
+                continue
+            common = 0
+            while (common < limit and (common + 1) * ps <= len(other.context)
+                   and other.context[common * ps : (common + 1) * ps] == request.context[common * ps : (common + 1) * ps]):
+                common += 1
+            if common > cached:
+                return True
+        return False
+
+    def _plan_prefill(self) -> PrefillBatch | None:
+        pending = []
+        for r in sorted((r for r in self.slots if r is not None and not r.running), key=lambda r: r.admitted):
+            if len(pending) == self.prefill_rows:
+                break
+            if r.looked_up or not self._sharing_in_flight(r, pending):
+                pending.append(r)
+        if not pending:
+            return None
+        for request in pending:
+            if not request.looked_up:
+                self._reuse_prefix(request)
+        # One chunk for each of the oldest admitted requests: the smallest power of two (>= 16)
+        # holding the longest remainder, up to prefill_chunk (a prompt after a cached prefix
+        # costs a short chunk); rows padded to a power of two. Few shapes compile.
+        longest = max(len(r.context) - r.prefilled for r in pending)
+        C = min(self.prefill_chunk, max(16, 1 << (longest - 1).bit_length()))
+        P = 1 << (len(pending) - 1).bit_length()
+        rows = np.full((P,), self.max_seqs, np.int32)
+        table = np.full((P, self.table.shape[1]), self.num_pages, np.int32)
+        tokens = np.zeros((P, C), np.int32)
+        start, length = np.zeros((P,), np.int32), np.ones((P,), np.int32)
+        for i, r in enumerate(pending):
+            assert r.slot is not None
+            end = min(r.prefilled + C, len(r.context))
+            while len(r.pages) * self.page_size < end:
+                self._take_page(r)  # (promised on admission)
+            tokens[i, : end - r.prefilled] = r.context[r.prefilled : end]
+            table[i], start[i], length[i] = self.table[r.slot], r.prefilled, len(r.context)
+            rows[i] = r.slot if end == len(r.context) else self.max_seqs
+            r.prefilled = end
+        for r in pending:
+            if r.running:
+                self.pool.register(r.context, r.pages, namespace=r.namespace)  # later requests may share them
+        return PrefillBatch(rows, table, tokens, start, length, self._adapter_ids(pending, P))
+
+    def _plan_decode(self) -> DecodeBatch | None:
+        running = sorted((r for r in self.slots if r is not None and r.running), key=lambda r: r.admitted)
+        for r in running:  # a page for this step's token where the last one is full (oldest first)
+            if r.slot is not None and (len(r.prompt) + len(r.tokens)) // self.page_size >= len(r.pages):
+                self._page_for(r)
+        running = [r for r in running if r.slot is not None]
+        if not running:
+            return None
+        # The running slots, padded to a power of two: a few compiled shapes, no work for idle slots.
+        R = min(self.max_seqs, 1 << (len(running) - 1).bit_length())
+        rows = np.full((R,), self.max_seqs, np.int32)
+        table = np.full((R, self.table.shape[1]), self.num_pages, np.int32)
+        positions = np.zeros((R,), np.int32)
+        generated = np.zeros((R,), np.int32)
+        for i, r in enumerate(running):
+            assert r.slot is not None
+            position = len(r.prompt) + len(r.tokens)  # where this step's token is written
+            rows[i], table[i], positions[i], generated[i] = r.slot, self.table[r.slot], position, len(r.tokens)
+        return DecodeBatch(tuple(running), rows, table, positions, generated, self._adapter_ids(running, R))
+
+    def _adapter_ids(self, requests: Sequence[Request], rows: int) -> np.ndarray | None:
+        """Each row's adapter (padding rows: adapter 0), or `None` without a bank."""
+        if not self.bank:
+            return None
+        return np.asarray([r.adapter for r in requests] + [0] * (rows - len(requests)), np.int32)
+
+    def _release(self, request: Request) -> None:
+        """Free the request's slot and pages (its full pages stay cached by their tokens)."""
+        assert request.slot is not None
+        self.pool.register(request.written, request.pages, namespace=request.namespace)
+        self.pool.release(request.pages)
+        self.pool.unpromise(request.promised)
+        self.table[request.slot] = self.num_pages
+        self.slots[request.slot] = None
+        request.slot = None
+
+    def _finish(self, request: Request, reason: str | None) -> None:
+        """Free the request; keep its result unless it was cancelled (`reason` None)."""
+        self._release(request)
+        if reason is not None:
+            assert reason in STOP_REASONS
+            self.finished[request.id] = Generation(request.tokens, request.logprobs, reason)

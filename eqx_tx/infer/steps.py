@@ -1,0 +1,119 @@
+"""The steps that `generate` and the engine share, and what a request is checked
+against and returns.
+
+- `check_requests`: validate prompts and sampling params against a model.
+- `last_token_logits`, `decode_one`: the LM head on one hidden vector per sequence,
+  and one decoded token per sequence through the model and its cache.
+- `paged_prefill_chunk`, `paged_decode_step`: the engine's two jitted steps over a
+  page pool (`eqx_tx.cache.paged`), each on the rows a scheduler planned.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..cache.base import AbstractCache
+from ..cache.paged import PagedKVCache
+from ..core.compute import ComputeConfig
+from ..core.sharding import constrain
+from ..kernels.mask import AttentionMask
+from ..layers.lora import select_adapters
+from ..models import CausalLM
+from .sampling import SamplerArrays, SamplingParams, sample_batch
+
+STOP_REASONS = ("running", "stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One request's result: new tokens (the stop token included), their
+    log-probabilities under the model, and why it stopped (`"stop"` or `"length"`)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+def check_requests(config, prompts, params, n: int, prefill_chunk_size) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Validate the requests; returns the prompts as int lists and one `SamplingParams` each."""
+    if not prompts:
+        raise ValueError("no prompts")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+    prompts = [list(map(int, p)) for p in prompts]
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    limit = None if config.rope.extends_past_max_position else config.max_position_embeddings
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if limit is not None and len(p) > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_position_embeddings {limit}")
+        if limit is not None and len(p) + sp.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds "
+                f"max_position_embeddings {limit}"
+            )
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+    return prompts, params
+
+
+def last_token_logits(model: CausalLM, hidden_bd):
+    """LM head on one hidden vector per sequence: `[batch, vocab]`, float32 (last-token prefill and decode)."""
+    return constrain(model.head_logits(hidden_bd), ("batch", "act_vocab"))
+
+
+def decode_one(model: CausalLM, cache: AbstractCache, token, positions, mask: AttentionMask, compute: ComputeConfig):
+    """Feed one token per sequence at `positions`; returns the cache and the next logits."""
+    out = model.hidden_states(token[:, None], positions=positions[:, None], mask=mask, compute=compute, cache=cache)
+    assert out.cache is not None
+    return out.cache, last_token_logits(model, out.hidden[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
+def paged_prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, table, tokens, start, length, adapters, *,
+                   compute: ComputeConfig):
+    """Positions `[start[i], start[i] + C)` of `P` contexts (`tokens [P, C]`, real up to
+    `length[i]`) into their pages (`table [P, pages_per_seq]`; padding rows: unallocated).
+    Each context's next-token logits go to slot `rows[i]` (out of range: dropped, for
+    padding and contexts that do not end in this chunk). `adapters [P]`: each context's
+    adapter of the model's LoRA bank (`None` without one)."""
+    if adapters is not None:
+        model = select_adapters(model, adapters)
+    C = tokens.shape[1]
+    positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+    mask = AttentionMask(kv_lengths=length, q_offset=start)
+    out = model.hidden_states(tokens, positions=positions, mask=mask, compute=compute, cache=cache.with_table(table))
+    assert isinstance(out.cache, PagedKVCache)
+    last = jnp.take_along_axis(out.hidden, jnp.clip(length - 1 - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
+    logits = logits.at[rows].set(last_token_logits(model, last), mode="drop")
+    return out.cache.with_table(cache.page_table), logits
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def zero_logits(rows: int, vocab: int):
+    return constrain(jnp.zeros((rows, vocab), jnp.float32), (None, "act_vocab"))
+
+
+@functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
+def paged_decode_step(model: CausalLM, cache: PagedKVCache, logits, rows, table, positions, generated, adapters,
+                 sampler: SamplerArrays, *, compute: ComputeConfig):
+    """For the slots `rows [R]` (padding: an out-of-range slot): sample token
+    `generated[i]` from the slot's logits, feed it at `positions[i]` through the
+    slot's pages `table [R, pages_per_seq]` (padding rows: unallocated, their writes
+    dropped) with adapter `adapters[i]` (`None`: no bank) and store the next logits.
+    Returns the tokens and their log-probs."""
+    if adapters is not None:
+        model = select_adapters(model, adapters)
+    token, logp = sample_batch(jnp.take(logits, rows, axis=0, mode="clip"), sampler, generated)
+    out, new = decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
+    assert isinstance(out, PagedKVCache)
+    return out.with_table(cache.page_table), logits.at[rows].set(new, mode="drop"), token, logp
