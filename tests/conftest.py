@@ -56,3 +56,24 @@ def _drop_compiled_functions_after_each_module():
     compiled stays cached until the end, and a worker grows by several GB."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture
+def eqx_log():
+    """The messages the package logger emits during the test (its own handler: the
+    tools' `enable_console_logging` stops propagation to the root logger)."""
+    import logging
+
+    records: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("eqx_tx")
+    handler, level = _Collect(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)

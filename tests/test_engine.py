@@ -8,6 +8,7 @@ import pytest
 
 import eqx_tx
 from eqx_tx.infer.steps import paged_decode_step
+from eqx_tx.infer.config import EngineConfig
 from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
 
@@ -183,8 +184,8 @@ def test_compiled_engine_steps_read_the_weights_the_pool_and_little_else(adapter
                                    lora_adapters=adapters)
     params = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(model))
     S, pool_tokens = 8, 1024
-    compiled = compile_engine_step(model, mesh, max_seqs=S, pool_tokens=pool_tokens, max_seq_len=256,
-                                   prefill_chunk=64, compute=eqx_tx.ComputeConfig())
+    engine = EngineConfig(max_seqs=S, max_tokens_in_cache=pool_tokens, max_seq_len=256, prefill_chunk=64)
+    compiled = compile_engine_step(model, mesh, engine, compute=eqx_tx.ComputeConfig())
     pool = 2 * 2 * pool_tokens * 2 * 32 * 2  # k+v, layers, tokens, kv heads, head_dim, bf16 bytes
     logits = S * config.vocab_size * 4
     for name, step in compiled.items():

@@ -246,3 +246,25 @@ def test_offloaded_optimizer_state_gives_the_same_steps(checkpoints, tmp_path):
     for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(off.opt_state)):
         assert a.sharding.memory_kind == b.sharding.memory_kind, (a.sharding, b.sharding)
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("learning_rate", -2e-4, r"learning_rate \(--learning-rate\) must be a finite number > 0, got -0.0002"),
+    ("learning_rate", float("nan"), "learning_rate"),
+    ("total_steps", 0, r"total_steps \(--total-steps\) must be >= 1"),
+    ("warmup_steps", -1, r"warmup_steps \(--warmup-steps\) must be >= 0"),
+    ("min_lr_ratio", 1.5, r"min_lr_ratio \(--min-lr-ratio\) must be in \[0, 1\]"),
+    ("weight_decay", -0.1, "weight_decay"),
+    ("b1", 1.0, r"b1 \(--b1\) must be in \[0, 1\)"),
+    ("b2", -0.5, "b2"),
+    ("eps", 0.0, "eps"),
+    ("max_grad_norm", 0.0, "max_grad_norm"),
+])
+def test_optimizer_settings_are_checked(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**{field: value})
+
+
+def test_a_warmup_longer_than_the_schedule_is_logged(eqx_log):
+    OptimizerConfig(warmup_steps=50, total_steps=7)
+    assert any("never reaches its peak" in m for m in eqx_log)

@@ -8,6 +8,7 @@ optimizer or gradient buffer for the base weights. Gradient accumulation is a
 
 import dataclasses
 import functools
+import logging
 import math
 
 import equinox as eqx
@@ -20,6 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from .bank_optimizer import adapters_present, init_bank_state, update_bank
 from .batch import Batch
 from ..core.compute import ComputeConfig
+from ..core.log import log_once
 from ..core.distributed import batch_sharding
 from .forward import check_segment_ids
 from ..layers.linear import Embedding, Linear
@@ -59,8 +61,24 @@ class OptimizerConfig:
     """Clip gradients to this global norm (None: no clipping)."""
 
     def __post_init__(self):
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}")
+        def check(name: str, ok: bool, wanted: str):
+            if not ok:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be {wanted}, got {getattr(self, name)}")
+
+        check("learning_rate", math.isfinite(self.learning_rate) and self.learning_rate > 0, "a finite number > 0")
+        check("total_steps", self.total_steps >= 1, ">= 1")
+        check("warmup_steps", self.warmup_steps >= 0, ">= 0")
+        if self.warmup_steps > self.total_steps:
+            log_once(f"warmup_steps={self.warmup_steps} (--warmup-steps) is longer than total_steps={self.total_steps} "
+                     "(--total-steps): the learning rate never reaches its peak", level=logging.WARNING)
+        check("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+        check("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0")
+        check("b1", 0 <= self.b1 < 1, "in [0, 1)")
+        check("b2", 0 <= self.b2 < 1, "in [0, 1)")
+        check("eps", math.isfinite(self.eps) and self.eps > 0, "a finite number > 0")
+        check("max_grad_norm", self.max_grad_norm is None or (math.isfinite(self.max_grad_norm)
+                                                               and self.max_grad_norm > 0), "> 0 (or None)")
 
     def schedule(self, count: Int[ArrayLike, ""]) -> Float[Array, ""]:
         """The learning rate at step `count`."""

@@ -78,3 +78,13 @@ def test_tile_sizes_are_the_platforms_unless_configured(monkeypatch):
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "gpu")
     gpu = _choose(attention="blockwise")
     assert (gpu.block_q, gpu.block_kv) == dispatch.DEFAULT_BLOCKS["gpu"] != dispatch.DEFAULT_BLOCKS["cpu"]
+
+
+def test_a_page_pool_is_read_by_the_paged_kernel_and_a_refused_request_is_logged(eqx_log):
+    """The paged cache goes through select_attention like every other path: `auto`
+    picks the paged kernel, and another requested implementation (which cannot read a
+    page pool) is not silently ignored: the reason names it, once in the log."""
+    assert _choose("paged").backend == "paged"
+    choice = _choose("paged", attention="xla", q=(2, 1, 4, 8))
+    assert choice.backend == "paged" and "requested xla, which cannot read a page pool" in choice.reason
+    assert any("requested xla, which cannot read a page pool" in m for m in eqx_log)

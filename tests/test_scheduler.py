@@ -1,0 +1,139 @@
+"""The engine's scheduler on its own, with no model: plans are checked against what
+they must be (pages owned once, positions in order, admission and preemption as
+documented), with a stand-in for the device that returns chosen tokens."""
+
+import numpy as np
+import pytest
+
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.infer.scheduler import Scheduler
+
+PAGE = 4
+
+
+def _scheduler(**kw) -> Scheduler:
+    settings = dict(max_seqs=3, num_pages=12, page_size=PAGE, pages_per_seq=8, prefill_chunk=8, prefill_rows=2)
+    return Scheduler(**(settings | kw))
+
+
+def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda request_id, i: 7 + i % 5,
+         max_steps=500):
+    """Step the scheduler to the end as a device would, on a simulated page pool: each
+    plan's writes go to the pages its tables name. At every decode step each request's
+    table must read back exactly its own prompt and tokens so far (what attention
+    reads), and it must write into a page it owns. `pool`: the simulated pool of earlier
+    runs (pages cached there hold what they held). Returns the events by request and
+    the number of positions prefilled."""
+    if pool is None:
+        pool = np.full((sched.num_pages + 1, PAGE), -1)  # the last row: writes that are dropped
+    events: dict[int, list] = {}
+    prefilled = 0
+
+    def write(table_row, pos, token):
+        pool[min(int(table_row[pos // PAGE]), sched.num_pages), pos % PAGE] = token
+
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return events, prefilled
+        plan = sched.schedule()
+        if plan.prefill is not None:
+            b = plan.prefill
+            P, C = b.tokens.shape
+            assert P == len(b.rows) and P & (P - 1) == 0
+            for row in range(P):
+                for pos in range(int(b.start[row]), min(int(b.start[row]) + C, int(b.length[row]))):
+                    if b.table[row, 0] != sched.num_pages:
+                        assert b.table[row, pos // PAGE] != sched.num_pages, "prefill writes to an unallocated page"
+                        prefilled += 1
+                    write(b.table[row], pos, b.tokens[row, pos - int(b.start[row])])
+        if plan.decode is None:
+            continue
+        d = plan.decode
+        tokens = np.zeros(len(d.rows), np.int32)
+        for i, r in enumerate(d.requests):
+            pos = int(d.positions[i])
+            assert pos == len(r.prompt) + len(r.tokens) and d.generated[i] == len(r.tokens)
+            assert d.table[i, pos // PAGE] != sched.num_pages, "a decode step writes to an unallocated page"
+            read = [pool[int(d.table[i, t // PAGE]), t % PAGE] for t in range(pos)]
+            assert read == r.prompt + r.tokens, f"request {r.id} reads another context"
+            tokens[i] = token_of(r.id, len(r.tokens))
+            write(d.table[i], pos, tokens[i])
+        for e in sched.finish_step(d, tokens, np.zeros(len(d.rows), np.float32)):
+            events.setdefault(e.request_id, []).append(e)
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all():
+    sched = _scheduler()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 50, int(rng.integers(1, 14))).tolist() for _ in range(7)]
+    wanted = [int(rng.integers(1, 12)) for _ in prompts]
+    ids = [sched.add(p, SamplingParams(max_new_tokens=n), sample=0, adapter=None, stop=()) for p, n in zip(prompts, wanted)]
+    events, _ = _run(sched)
+    for i, p, n in zip(ids, prompts, wanted):
+        result = sched.finished.pop(i)
+        assert result.tokens == [7 + k % 5 for k in range(n)] and result.stop_reason == "length"
+        assert [e.token for e in events[i]] == result.tokens and events[i][-1].finish_reason == "length"
+    assert sched.pool.referenced == 0 and not sched.has_work()
+    assert sched.stats()["pages_in_use"] == 0
+
+
+def test_the_newest_request_is_preempted_and_resumes_where_it_stopped():
+    # Two slots, 6 pages: two requests that each grow to 4 pages cannot both finish at once.
+    sched = _scheduler(max_seqs=2, num_pages=6, pages_per_seq=4)
+    a = sched.add([1] * 3, SamplingParams(max_new_tokens=12), sample=0, adapter=None, stop=())
+    b = sched.add([2] * 3, SamplingParams(max_new_tokens=12), sample=0, adapter=None, stop=())
+    events, _ = _run(sched)
+    assert sched.preemptions >= 1
+    for i in (a, b):
+        assert sched.finished.pop(i).tokens == [7 + k % 5 for k in range(12)]
+        assert len(events[i]) == 12
+
+
+def test_a_stop_token_ends_a_request_and_a_shared_prefix_is_computed_once():
+    sched = _scheduler(prefill_rows=1)
+    system = list(range(1, 13))  # three full pages
+    first = sched.add(system + [20], SamplingParams(max_new_tokens=9), sample=0, adapter=None, stop=(8,))
+    pool = np.full((sched.num_pages + 1, PAGE), -1)
+    events, _ = _run(sched, pool)
+    assert sched.finished.pop(first).tokens == [7, 8] and events[first][-1].finish_reason == "stop"
+    second = sched.add(system + [21], SamplingParams(max_new_tokens=2), sample=0, adapter=None, stop=())
+    _, prefilled = _run(sched, pool)
+    assert sched.finished.pop(second).stop_reason == "length"
+    assert prefilled == 1  # the three system pages came from the prefix cache
+    assert sched.stats()["cached_tokens"] == 12
+    # Another adapter's request shares nothing.
+    sched.bank = True
+    third = sched.add(system + [22], SamplingParams(max_new_tokens=1), sample=0, adapter=1, stop=())
+    _, prefilled = _run(sched, pool)
+    assert prefilled == 13 and sched.finished.pop(third).tokens == [7]
+
+
+def test_cancel_frees_a_running_request_and_a_pool_too_small_is_refused():
+    sched = _scheduler()
+    i = sched.add([1, 2, 3], SamplingParams(max_new_tokens=5), sample=0, adapter=None, stop=())
+    sched.schedule()
+    assert sched.pool.referenced > 0
+    sched.cancel(i)
+    assert sched.pool.referenced == 0 and not sched.has_work() and i not in sched.finished
+    with pytest.raises(ValueError, match="the pool has 12"):
+        sched.add([1] * 40, SamplingParams(max_new_tokens=20), sample=0, adapter=None, stop=())
+
+
+def test_step_shapes_cover_every_planned_shape():
+    sched = _scheduler(max_seqs=5, prefill_chunk=32, prefill_rows=4, num_pages=64, pages_per_seq=16)
+    prefill_shapes, decode_rows = sched.step_shapes()
+    rng = np.random.default_rng(1)
+    for _ in range(9):
+        sched.add(rng.integers(0, 50, int(rng.integers(1, 40))).tolist(),
+                  SamplingParams(max_new_tokens=int(rng.integers(1, 20))), sample=0, adapter=None, stop=())
+    seen_prefill, seen_decode = set(), set()
+    while sched.has_work():
+        plan = sched.schedule()
+        if plan.prefill is not None:
+            seen_prefill.add((plan.prefill.tokens.shape[1], plan.prefill.tokens.shape[0]))
+        if plan.decode is not None:
+            seen_decode.add(len(plan.decode.rows))
+            sched.finish_step(plan.decode, np.full(len(plan.decode.rows), 7), np.zeros(len(plan.decode.rows)))
+    assert seen_prefill <= set(prefill_shapes) and seen_decode <= set(decode_rows)
+    assert len(seen_prefill) > 1 and len(seen_decode) > 1
