@@ -39,7 +39,7 @@ SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
     },
     {
         "rl": _names("eqx_tx.rl", "rollouts"),
-        "serve": _names("eqx_tx.serve", "loop", "openai"),
+        "serve": _names("eqx_tx.serve", "loop", "metrics", "openai"),
         "analysis": _names("eqx_tx.analysis", "host_memory", "memory"),
     },
     # the tools' entry point

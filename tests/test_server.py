@@ -5,10 +5,13 @@ LoRA adapter served beside the base model."""
 
 import concurrent.futures
 import dataclasses
+import json
 import shutil
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import jax
 import numpy as np
@@ -52,7 +55,7 @@ def served(trained_tiny, tmp_path_factory):
     adapter_dir = directory.parent / "adapter"
     eqx_tx.save_adapter(tuned, adapter_dir)
     serve = load_tool("serve")
-    engine = EngineConfig(max_seqs=4, max_tokens_in_cache=2048, page_size=16, prefill_chunk=32)
+    engine = EngineConfig(max_seqs=4, max_tokens_in_cache=2048, page_size=16, prefill_chunk=32, max_top_logprobs=5)
     loop, app = serve.build(serve.Args(model=str(directory), engine=engine, lora=(f"tiny-lora={adapter_dir}",)))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -136,8 +139,14 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
         client.completions.create(model="tiny", prompt="hi", max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="n must be >= 1"):
+    with pytest.raises(openai.BadRequestError, match=r"n must be in \[1, 128\], got 0"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=4, n=0)
+    with pytest.raises(openai.BadRequestError, match=r"n must be in \[1, 128\], got 129"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4, n=129)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 0, got -1"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="--max-top-logprobs"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=6)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="hi", max_tokens="many")  # type: ignore[arg-type]
     answer = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
@@ -181,3 +190,128 @@ def test_a_lora_adapter_is_served_beside_the_base(served):
             np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs, rtol=1e-4, atol=1e-5)
     assert [c.text for c in answers["tiny"].choices] != [c.text for c in answers["tiny-lora"].choices]
     assert _idle(served.loop) == (False, 0)
+
+
+@dataclasses.dataclass
+class _Answer:
+    status_code: int
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _raw(served, method: str, path: str, body: bytes | None = None) -> _Answer:
+    """A plain HTTP request to the server (what a client other than the SDK may send)."""
+    url = f"{served.client.base_url}".removesuffix("/").removesuffix("/v1") + path
+    request = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return _Answer(answer.status, answer.read().decode())
+    except urllib.error.HTTPError as e:
+        return _Answer(e.code, e.read().decode())
+
+
+def test_errors_of_any_kind_come_in_openai_format(served):
+    bad_json = _raw(served, "POST", "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert bad_json.status_code == 400
+    error = bad_json.json()["error"]
+    assert error["message"].startswith("the request body is not valid JSON") and error["param"] is None
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        answer = _raw(served, method, path)
+        assert answer.status_code == status
+        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+        assert path in answer.json()["error"]["message"]
+
+
+def test_health_metrics_and_a_first_request_that_compiles_nothing(served):
+    """The server compiled every step shape before it listened (`serve.build` warms
+    up), so requests of new sizes compile nothing; /health and /metrics report."""
+    assert _raw(served, "GET", "/health").json() == {"status": "ok"}
+    compiles = []
+
+    def listener(event, *args, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for n, prompt in ((3, "A dog"), (1, "Once upon a time there was a little girl who lived in a village")):
+            served.client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=n, temperature=0.5, seed=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    text = _raw(served, "GET", "/metrics").text
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert int(lines['eqx_tx:requests_total{endpoint="/v1/completions",status="200"}']) >= 2
+    assert int(lines["eqx_tx:generation_tokens_total"]) >= 20
+    assert int(lines["eqx_tx:time_to_first_token_seconds_count"]) >= 2
+    for gauge in ("num_requests_waiting", "kv_pages_in_use", "prefix_cache_hit_rate", "num_preemptions_total"):
+        assert f"eqx_tx:{gauge}" in lines
+
+
+def test_prompt_lists_zero_tokens_usage_chunks_and_alternatives(served):
+    client, tokenizer, model = served.client, served.tokenizer, served.base
+    prompts = ["Once upon a time", "The cat sat"]
+    answer = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, n=2, temperature=0.9, seed=4,
+                                       logprobs=3)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    expected = eqx_tx.generate(model, [tokenizer.encode(p) for p in prompts],
+                               SamplingParams(max_new_tokens=6, temperature=0.9, seed=4), n=2)
+    for choice, want, prompt in zip(answer.choices, expected, [p for p in prompts for _ in range(2)]):
+        assert choice.text == tokenizer.decode(want.tokens)
+        # The alternatives are the most likely tokens of the model's distribution at each step.
+        ids = tokenizer.encode(prompt) + want.tokens
+        logp = jax.nn.log_softmax(np.asarray(eqx_tx.logits(model, np.asarray([ids]))[0], np.float64), axis=-1)
+        for step, top in enumerate(choice.logprobs.top_logprobs):
+            row = np.asarray(logp[len(ids) - len(want.tokens) - 1 + step])
+            best = np.argsort(-row)[:3]
+            assert len(top) == 3
+            assert sorted(top.values(), reverse=True) == pytest.approx(row[best].tolist(), abs=1e-4)
+            assert max(top.values()) >= choice.logprobs.token_logprobs[step] - 1e-5
+    assert answer.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+
+    empty = client.completions.create(model="tiny", prompt="Once", max_tokens=0)
+    assert empty.choices[0].text == "" and empty.choices[0].finish_reason == "length"
+    assert empty.usage.completion_tokens == 0
+
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True}, temperature=0)
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert all(c.usage is None for c in chunks[:-1])
+    assert _idle(served.loop) == (False, 0)
+
+
+def test_a_final_text_is_the_decoding_of_all_its_tokens(served):
+    """A completion that ends inside a character (a byte-level tokenizer's partial
+    UTF-8 sequence): the incremental decoder holds it back; the answer does not."""
+    import asyncio
+    import concurrent.futures as cf
+
+    from eqx_tx.infer.scheduler import TokenEvent
+    from eqx_tx.serve.openai import _Job
+
+    tokenizer = served.tokenizer
+    tokens = tokenizer.encode("é ☃")[:-1]  # the snowman's last byte is missing
+    assert tokenizer.decode(tokens) != "".join(tokenizer.decode_stream()(t) for t in tokens)
+
+    class _Loop:  # the engine thread, reduced to what a job asks of it
+        def submit(self, *args):
+            future = cf.Future()
+            future.set_result(0)
+            return future
+
+        def cancel(self, request_id):
+            pass
+
+    async def run():
+        job = _Job(_Loop(), tokenizer, [[1, 2]], SamplingParams(max_new_tokens=len(tokens)), 1, [], None)
+        await job.start()
+        for k, t in enumerate(tokens):
+            job._events.put_nowait((0, TokenEvent(0, t, -1.0, "length" if k == len(tokens) - 1 else None)))
+            await job.next()
+        return job.choices[0]
+
+    choice = asyncio.run(run())
+    assert choice.text == tokenizer.decode(tokens) and choice.finish_reason == "length"

@@ -8,7 +8,10 @@ prefix cache across requests). Any OpenAI client works:
                print(c.completions.create(model='final', prompt='Once upon a time', max_tokens=32))"
 
 `top_k` is an extra body field (`extra_body={"top_k": 20}`); `logprobs` gives each
-sampled token's log-probability (no alternatives). `--lora NAME=DIR` (repeatable)
+sampled token's log-probability and up to `--max-top-logprobs` alternatives. Before
+it listens, the server compiles every step shape the engine can run (a progress line
+on stderr), so no request waits for a compile. `GET /health` and `GET /metrics`
+(Prometheus) show that it runs and what it does. `--lora NAME=DIR` (repeatable)
 also serves PEFT LoRA adapters of the model, each as model NAME; requests for the
 base and for any adapter are batched together (one adapter bank, the base in a
 slot of zeros).
@@ -16,6 +19,8 @@ slot of zeros).
 
 import dataclasses
 import os
+import sys
+import time
 from typing import Annotated, Literal
 
 import tyro
@@ -30,16 +35,23 @@ class Args:
     model: str = "runs/tiny/final"
     """An HF checkpoint directory or a hub repo id."""
     model_name: str | None = None
-    """The name clients ask for (default: the directory's name)."""
+    """The name clients ask for (default: the checkpoint's name: a hub repo id as given; a
+    directory's name, or its run's for a `tools/train.py` output like runs/NAME/final)."""
     host: str = "127.0.0.1"
+    """The address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)."""
     port: int = 8000
-    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig()
+    """The port to listen on."""
+    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig(max_top_logprobs=5)
     """The continuous-batching engine: slots, page pool, prefill chunks."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter dtype (auto: the checkpoint's)."""
     tp: int = 1
     """Tensor-parallel size."""
     attention: AttentionImpl = "auto"
+    """The attention kernel (auto: chosen per shape and platform, logged; the engine's page pool is always
+    read by the paged kernel)."""
+    warmup: bool = True
+    """Compile every step shape before listening (--no-warmup: compile on the first requests instead)."""
     lora: tuple[str, ...] = ()
     """NAME=DIRECTORY: serve this PEFT LoRA adapter (same targets, rank and alpha for all) as model NAME."""
 
@@ -57,7 +69,7 @@ def build(args: Args):
     dtypes = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
     mesh = eqx_tx.make_mesh(tp=args.tp) if args.tp > 1 else None
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
-    name = args.model_name or os.path.basename(os.path.normpath(args.model))
+    name = args.model_name or served_name(args.model)
     adapters = None
     if args.lora:
         names, paths = zip(*(_named_adapter(spec) for spec in args.lora))
@@ -66,8 +78,29 @@ def build(args: Args):
         model = eqx_tx.load_adapter_bank(model, paths, base_slot=True)
         adapters = {name: 0} | {n: i + 1 for i, n in enumerate(names)}
     engine = eqx_tx.Engine(model, args.engine, compute=eqx_tx.ComputeConfig(attention=args.attention))
+    if args.warmup:
+        started = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            print(f"\rwarming up: compiled {done}/{total} step shapes ({time.perf_counter() - started:.1f} s)",
+                  end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+        engine.warmup(progress)
     loop = EngineLoop(engine)
     return loop, build_app(loop, eqx_tx.load_tokenizer(directory), name, adapters)
+
+
+def served_name(model: str) -> str:
+    """The name a checkpoint is served under: a hub repo id as given; a local
+    directory's name, or for `tools/train.py`'s `runs/NAME/final` (or `checkpoint`),
+    the run's name."""
+    if not os.path.exists(model):
+        return model  # a hub repo id
+    path = os.path.normpath(os.path.abspath(model))
+    name = os.path.basename(path)
+    if name in ("final", "checkpoint", "adapter"):
+        name = os.path.basename(os.path.dirname(path)) or name
+    return name
 
 
 def _named_adapter(spec: str) -> tuple[str, str]:
@@ -84,6 +117,8 @@ def main(args: Args) -> None:
 
     eqx_tx.enable_console_logging()
     loop, app = build(args)
+    print(f"eqx_tx serving on http://{args.host}:{args.port} (/v1: OpenAI API, /health, /metrics)",
+          file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port)
     finally:

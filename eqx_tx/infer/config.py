@@ -26,6 +26,9 @@ class EngineConfig:
     model's position limit if smaller)."""
     kv_cache_dtype: CacheDtype = "auto"
     """The page pool's dtype (auto: the model's; int8: int8 with a float32 scale per token and kv head)."""
+    max_top_logprobs: int = 0
+    """Each generated token also reports this many most likely alternatives and their
+    log-probs (0: none; a top-k over the vocabulary in every decode step)."""
 
     def __post_init__(self):
         for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows"):
@@ -35,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"prefill_rows must be a power of two, got {self.prefill_rows}")
         if self.max_tokens_in_cache < self.page_size:
             raise ValueError(f"max_tokens_in_cache {self.max_tokens_in_cache} holds no page of {self.page_size} tokens")
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
 

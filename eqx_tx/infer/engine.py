@@ -18,7 +18,7 @@ request alone: the sampler draws token `i` with the request's own key
 """
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import equinox as eqx
 import jax
@@ -80,7 +80,7 @@ class Engine:
                                    prefill_rows=config.prefill_rows, bank=self._bank)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
-                             compute=self.compute)
+                             compute=self.compute, top_logprobs=config.max_top_logprobs)
 
     def set_model(self, model: CausalLM) -> None:
         """Sample from new weights from now on (e.g. after a training step: the arrays
@@ -148,11 +148,12 @@ class Engine:
             self.step()
         return [self.result(i) for i in ids]
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Callable[[int, int], object] | None = None) -> None:
         """Compile every shape `step` can run (each prefill chunk size and row count,
         each padded count of running slots: `Scheduler.step_shapes`) now, on inputs
-        whose writes are dropped, so that no request waits for a compile."""
-        self.runner.warmup(*self.scheduler.step_shapes(), bank=self._bank)
+        whose writes are dropped, so that no request waits for a compile.
+        `progress(done, total)` is called after each shape."""
+        self.runner.warmup(*self.scheduler.step_shapes(), bank=self._bank, progress=progress)
 
     @property
     def pages_in_use(self) -> int:
@@ -174,5 +175,5 @@ class Engine:
             self.runner.prefill(plan.prefill)
         if plan.decode is None:
             return []
-        tokens, logprobs = self.runner.decode(plan.decode)
-        return self.scheduler.finish_step(plan.decode, tokens, logprobs)
+        tokens, logprobs, top = self.runner.decode(plan.decode)
+        return self.scheduler.finish_step(plan.decode, tokens, logprobs, top)

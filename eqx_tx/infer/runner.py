@@ -2,6 +2,7 @@
 jitted steps that execute a `StepPlan` (`eqx_tx.infer.scheduler`)."""
 
 import dataclasses
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,12 +22,12 @@ class Runner:
 
     **Arguments:** the model; the pool's `num_pages` pages of `page_size` tokens
     (`dtype`: its storage dtype); `max_seqs` slots of up to `pages_per_seq` pages;
-    `compute`: how the model runs.
+    `compute`: how the model runs; `top_logprobs`: alternatives reported per token.
     """
 
     def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, max_seqs: int, pages_per_seq: int, dtype,
-                 compute: ComputeConfig):
-        self.model, self.compute, self.max_seqs = model, compute, max_seqs
+                 compute: ComputeConfig, top_logprobs: int = 0):
+        self.model, self.compute, self.max_seqs, self.top_logprobs = model, compute, max_seqs, top_logprobs
         self.num_pages, self.pages_per_seq = num_pages, pages_per_seq
         with mesh_context(model):
             self.cache = new_paged_cache(model.config, pages=num_pages, page_size=page_size, batch=max_seqs,
@@ -44,31 +45,41 @@ class Runner:
                 _maybe(batch.adapters), compute=self.compute,
             )
 
-    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """Sample one token for every planned row and feed it. Returns the tokens and
-        their log-probs (host arrays, one per row)."""
+        their log-probs (host arrays, one per row), and the most likely alternatives'
+        ids and log-probs (`[rows, top_logprobs]` each; `None` without)."""
         params = [r.params for r in batch.requests]
         samples = [r.sample for r in batch.requests]
         with mesh_context(self.model):
-            self.cache, self.logits, token, logp = paged_decode_step(
+            self.cache, self.logits, token, logp, top_ids, top_logp = paged_decode_step(
                 self.model, self.cache, self.logits, jnp.asarray(batch.rows), jnp.asarray(batch.table),
                 jnp.asarray(batch.positions), jnp.asarray(batch.generated), _maybe(batch.adapters),
                 self._sampler_arrays(batch.sampler_key, params, samples, len(batch.rows)), compute=self.compute,
+                top_logprobs=self.top_logprobs,
             )
-        return to_host(token), to_host(logp)
+        top = None if top_ids is None or top_logp is None else (to_host(top_ids), to_host(top_logp))
+        return to_host(token), to_host(logp), top
 
-    def warmup(self, prefill_shapes: list[tuple[int, int]], decode_rows: list[int], bank: bool) -> None:
+    def warmup(self, prefill_shapes: list[tuple[int, int]], decode_rows: list[int], bank: bool,
+               progress: Callable[[int, int], object] | None = None) -> None:
         """Compile every `(chunk, rows)` prefill and every decode row count now, on inputs
-        whose writes are dropped (out-of-range slots, unallocated pages)."""
+        whose writes are dropped (out-of-range slots, unallocated pages).
+        `progress(done, total)` is called after each shape."""
         unallocated = np.full((1, self.pages_per_seq), self.num_pages, np.int32)
         adapters = (lambda n: np.zeros((n,), np.int32)) if bank else (lambda n: None)
-        for C, P in prefill_shapes:
+        total = len(prefill_shapes) + len(decode_rows)
+        for i, (C, P) in enumerate(prefill_shapes):
             self.prefill(PrefillBatch(np.full((P,), self.max_seqs, np.int32), np.repeat(unallocated, P, axis=0),
                                       np.zeros((P, C), np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
                                       adapters(P)))
-        for R in decode_rows:
+            if progress is not None:
+                progress(i + 1, total)
+        for i, R in enumerate(decode_rows):
             self.decode(DecodeBatch((), np.full((R,), self.max_seqs, np.int32), np.repeat(unallocated, R, axis=0),
                                     np.zeros((R,), np.int32), np.zeros((R,), np.int32), adapters(R)))
+            if progress is not None:
+                progress(len(prefill_shapes) + i + 1, total)
 
     def _sampler_arrays(self, key: tuple, params: list[SamplingParams], samples: list[int], rows: int) -> SamplerArrays:
         if self._sampler is None or self._sampler[0] != key:

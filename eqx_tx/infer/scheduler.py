@@ -39,6 +39,7 @@ class TokenEvent:
     token: int
     logprob: float
     finish_reason: str | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their log-probs, if asked
 
 
 @dataclasses.dataclass(eq=False)
@@ -167,12 +168,14 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Pages referenced and cached, the prefix cache's hit rate (the share of
-        admitted prompt tokens whose keys/values came from the cache), preemptions, and
-        the tokens the running requests hold in their pages (shared ones once each)."""
+        admitted prompt tokens whose keys/values came from the cache), preemptions, the
+        tokens the running requests hold in their pages (shared ones once each), and
+        the requests waiting for a slot and holding one."""
         return dict(pages=self.num_pages, pages_in_use=self.pool.referenced, pages_cached=self.pool.cached,
                     prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
                     hit_rate=self.cached_tokens / max(self.prompt_tokens, 1), preemptions=self.preemptions,
-                    tokens_held=sum(len(r.written) for r in self.slots if r is not None))
+                    tokens_held=sum(len(r.written) for r in self.slots if r is not None),
+                    waiting=len(self.waiting), running=sum(r is not None for r in self.slots))
 
     def step_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Every `(chunk, rows)` a prefill batch and every row count a decode batch can
@@ -189,16 +192,19 @@ class Scheduler:
         self._admit()
         return StepPlan(self._plan_prefill(), self._plan_decode())
 
-    def finish_step(self, batch: DecodeBatch, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenEvent]:
-        """Record each running request's new token (row `i` of `tokens`, `logprobs`);
-        finished requests free their slot and pages. Returns one event per request."""
+    def finish_step(self, batch: DecodeBatch, tokens: np.ndarray, logprobs: np.ndarray,
+                    top: tuple[np.ndarray, np.ndarray] | None = None) -> list[TokenEvent]:
+        """Record each running request's new token (row `i` of `tokens`, `logprobs`, and
+        of the alternatives `top = (ids, logprobs)` if given); finished requests free
+        their slot and pages. Returns one event per request."""
         events = []
         for i, r in enumerate(batch.requests):
             t, lp = int(tokens[i]), float(logprobs[i])
             r.tokens.append(t)
             r.logprobs.append(lp)
             reason = "stop" if t in r.stop else "length" if len(r.tokens) >= r.params.max_new_tokens else None
-            events.append(TokenEvent(r.id, t, lp, reason))
+            alternatives = () if top is None else tuple(zip(map(int, top[0][i]), map(float, top[1][i])))
+            events.append(TokenEvent(r.id, t, lp, reason, alternatives))
             if reason is not None:
                 self._finish(r, reason)
         return events
