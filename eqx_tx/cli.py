@@ -1,7 +1,9 @@
 """How the tools in `tools/` start and fail: one entry point for their `__main__`."""
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -56,3 +58,43 @@ def check_resume(checkpoint_dir: str, settings: dict) -> None:
     changed = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}
     if changed:
         raise ValueError(f"--resume with different settings than the checkpoint (saved, given): {changed}")
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a preemption) during a training loop, as a context.
+
+    The first signal is recorded (`received`) and the loop is expected to finish its
+    step, save a checkpoint and call `exit`; a second one stops at once
+    (`KeyboardInterrupt`). Outside the main thread (where no handler can be set)
+    nothing is caught. The previous handlers come back on leaving the context.
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(send it again to stop at once, losing the step)", file=sys.stderr, flush=True)
+
+    def exit(self, step: int, checkpoint_dir: str) -> None:
+        """Say where the run stopped and how to go on; exit with 128 + the signal number."""
+        assert self.received is not None
+        name = signal.Signals(self.received).name
+        command = " ".join(a for a in sys.argv if a not in ("--resume", "--overwrite"))
+        print(f"{name}: stopped after step {step}; checkpoint in {checkpoint_dir}\n"
+              f"continue with: python {command} --resume", file=sys.stderr, flush=True)
+        raise SystemExit(128 + self.received)

@@ -12,6 +12,7 @@ import pytest
 
 import eqx_tx
 from eqx_tx.train.policy import PolicyLoss
+from eqx_tx.train.training import OptimizerConfig
 from eqx_tx.rl import arithmetic_facts, exact_match
 from tests.tools_util import load_tool, tool_args
 
@@ -30,7 +31,8 @@ def test_grpo_raises_the_reward_across_a_resume(warm_start, tmp_path, capsys):
     out = tmp_path / "rl"
     # The static sampler: faster than the engine for 4-token answers, and the same tokens
     # (test_engine_and_generate_give_the_same_rollouts; the LoRA test runs the engine).
-    settings = dict(model=warm_start, output_dir=str(out), steps=40, sampler="generate", progress=False)
+    settings = dict(model=warm_start, output_dir=str(out), sampler="generate", progress=False,
+                    optimizer=OptimizerConfig(learning_rate=5e-4, warmup_steps=5, total_steps=40))
     grpo.main(grpo.Args(**settings, stop_after=20))
     assert "stopped after step 20" in capsys.readouterr().out
     grpo.main(grpo.Args(**settings, resume=True))
@@ -63,7 +65,8 @@ def test_grpo_lora_with_kl_to_the_base(warm_start, tmp_path):
     (adapters start as the identity) and grows, and exports the adapter and the merged model."""
     grpo = load_tool("grpo")
     out = tmp_path / "lora"
-    grpo.main(grpo.Args(model=warm_start, output_dir=str(out), steps=4, lora_rank=4, lora_alpha=8.0,
+    grpo.main(grpo.Args(model=warm_start, output_dir=str(out), lora_rank=4, lora_alpha=8.0,
+                        optimizer=OptimizerConfig(learning_rate=5e-4, warmup_steps=5, total_steps=4),
                         policy=dataclasses.replace(PolicyLoss(), kl_coef=0.05), eval_every=100, progress=False))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward" in json.loads(line)]
     assert abs(rows[0]["kl"]) < 1e-6 and rows[-1]["kl"] > 0

@@ -22,7 +22,7 @@ def _names(package: str, *modules: str) -> tuple[str, ...]:
 
 # Levels, lowest first; each level maps a subsystem to its modules.
 SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
-    {"core": _names("eqx_tx.core", "log", "util", "fileio", "tree", "compute", "sharding", "distributed", "flops",
+    {"core": _names("eqx_tx.core", "log", "util", "fileio", "tree", "compute", "sharding", "distributed", "flops", "runlog",
                     "hlo", "memory_figures")},
     {"kernels": _names("eqx_tx.kernels", "mask", "quantized", "flash", "ring", "splash", "sdpa", "shared_prefix",
                        "paged", "dispatch", "grouped_ffn", "topk")},

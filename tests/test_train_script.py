@@ -127,3 +127,59 @@ def test_long_sequences_are_truncated_in_pad_mode_by_default(tmp_path, capsys):
     assert "truncated 1 document(s) longer than 9 tokens" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "out" / "final" / "model.safetensors")
     assert not os.path.exists(tmp_path / "out" / "final" / "stale.txt")
+
+
+def _interrupt(args: list[str], sig: int, after_line: str) -> subprocess.CompletedProcess:
+    """Start tools/train.py, send `sig` once it printed `after_line`, wait for it."""
+    import signal as _signal  # noqa: F401  (the numbers come from the caller)
+    import threading
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=TEST_XLA_FLAGS)
+    process = subprocess.Popen([sys.executable, TRAIN, "--no-progress", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    out, err = [], []
+    reader = threading.Thread(target=lambda: err.extend(process.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    assert process.stdout is not None
+    for line in process.stdout:
+        out.append(line)
+        if line.startswith(after_line):
+            process.send_signal(sig)
+            break
+    out.extend(process.stdout)
+    process.wait(timeout=300)
+    reader.join(timeout=10)
+    return subprocess.CompletedProcess(process.args, process.returncode, "".join(out), "".join(err))
+
+
+def test_sigint_and_sigterm_save_a_checkpoint_and_resume_to_the_same_loss(checkpoints, token_data, tmp_path):
+    """One command for every launch of a preemptible job: `--resume` starts fresh when
+    there is no checkpoint yet; a real SIGINT, then a real SIGTERM, each finish the step,
+    save and exit non-zero with how to go on; the run ends with the losses of an
+    uninterrupted one."""
+    import signal
+
+    common = ["--model", checkpoints["mha_tied"], "--data", token_data, "--seq-len", "16", "--batch-size", "4",
+              "--total-steps", "40", "--learning-rate", "1e-2", "--save-every", "100"]
+    _run(*common, "--output-dir", str(tmp_path / "straight"))
+    split = ["--output-dir", str(tmp_path / "split"), "--resume"]
+    first = _interrupt(common + split, signal.SIGINT, "step 10:")
+    assert "no checkpoint" in first.stdout and first.returncode == 128 + signal.SIGINT, first.stderr[-3000:]
+    assert "SIGINT: stopped after step" in first.stderr and "--resume" in first.stderr.splitlines()[-1]
+    stopped = read_metadata(tmp_path / "split" / "checkpoint")["data_position"]
+    assert 10 <= stopped < 40
+    second = _interrupt(common + split, signal.SIGTERM, "step 20:")
+    assert f"at step {stopped}" in second.stdout and second.returncode == 128 + signal.SIGTERM, second.stderr[-3000:]
+    assert read_metadata(tmp_path / "split" / "checkpoint")["data_position"] > stopped
+    _run(*common, *split)
+
+    def losses(name):
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+    steps, straight = losses("straight")
+    assert steps == list(range(40))  # (0-based, as tools/grpo.py's)
+    assert losses("split")[0] == steps
+    np.testing.assert_allclose(losses("split")[1], straight, rtol=1e-5)
+    assert straight[-1] < straight[0]
+    assert os.path.getsize(tmp_path / "split" / "loss.svg") > 0

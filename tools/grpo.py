@@ -28,12 +28,13 @@ import dataclasses
 import importlib
 import json
 import os
+import sys
 import time
 from typing import Annotated, Literal
 
 import tyro
 
-from eqx_tx.cli import check_output_dir, check_resume, run_tool
+from eqx_tx.cli import StopSignals, check_output_dir, check_resume, run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.train.policy import PolicyLoss
 from eqx_tx.train.training import OptimizerConfig
@@ -49,14 +50,16 @@ class Args:
     """A jsonl with a 'prompt' field per line, or 'arithmetic' for the built-in task."""
     reward: str = "eqx_tx.rl:exact_match"
     """module:function scoring (completion text, example dict) -> float."""
-    steps: int = 60
-    """Optimizer steps; each samples --prompts-per-step prompts x --n answers."""
     prompts_per_step: int = 16
+    """Prompts sampled per optimizer step (each gets --n answers: one group)."""
     n: int = 8
     """Answers sampled per prompt (one group)."""
     max_new_tokens: int = 4
+    """Tokens each answer may have at most."""
     temperature: float = 1.0
+    """Sampling temperature of the answers (0: greedy, which leaves a group nothing to compare)."""
     top_p: float = 1.0
+    """Nucleus sampling of the answers (1.0: the whole distribution)."""
     sampler: Literal["engine", "generate"] = "engine"
     """engine: continuous batching over a paged KV cache; generate: one static batch."""
     engine_slots: int | None = None
@@ -66,14 +69,16 @@ class Args:
     policy: Annotated[PolicyLoss, tyro.conf.OmitArgPrefixes] = PolicyLoss()
     """The policy-gradient objective."""
     optimizer: Annotated[OptimizerConfig, tyro.conf.OmitArgPrefixes] = OptimizerConfig(
-        learning_rate=5e-4, warmup_steps=5)
-    """AdamW; the schedule's length is --steps."""
+        learning_rate=5e-4, warmup_steps=5, total_steps=60)
+    """AdamW and its schedule; --total-steps is the run's length in optimizer steps, each
+    sampling --prompts-per-step prompts x --n answers."""
     max_tokens_per_micro_batch: int | None = None
     """Pack the rollouts into micro-batches of this many tokens (per data-parallel
     device) instead of one padded batch: long-tailed answer lengths waste no padding."""
     lora_rank: int = 0
     """0 = every weight trains; > 0 = LoRA adapters of this rank on a frozen base."""
     lora_alpha: float = 16.0
+    """LoRA scale numerator (scaling = alpha / rank)."""
     eval_every: int = 10
     """Every this many steps (and before the first), the reward over the whole built-in
     task (or the first 64 prompts of the file), n samples each."""
@@ -82,10 +87,13 @@ class Args:
     overwrite: bool = False
     """Write into an OUTPUT_DIR that already holds files."""
     save_every: int = 20
+    """Steps between checkpoints (one is always written at the end)."""
     stop_after: int | None = None
     """Stop (after saving a checkpoint) once this many steps ran in this process."""
     seed: int = 0
+    """Adapter initialisation, prompt order and sampling seed."""
     progress: bool = True
+    """Show a progress bar (else print each step's line)."""
 
 
 def load_reward(spec: str):
@@ -116,7 +124,7 @@ def load_prompts(spec: str) -> tuple[list[dict], list[dict]]:
 
 
 def _check(args: Args) -> None:
-    for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "save_every", "eval_every"):
+    for name in ("prompts_per_step", "n", "max_new_tokens", "save_every", "eval_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.n < 2:
@@ -131,28 +139,6 @@ def _run_metadata(args: Args) -> dict:
             "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "lora_rank": args.lora_rank,
             "policy": dataclasses.asdict(args.policy), "seed": args.seed}
-
-
-def write_svg(path: str, points: list[tuple[int, float]], evals: list[tuple[int, float]]) -> None:
-    """The reward per step (and the evaluation reward) as a small SVG line chart."""
-    W, H, pad = 480, 240, 30
-    last = max([s for s, _ in points + evals] + [1])
-
-    def xy(s, r):
-        return pad + (W - 2 * pad) * s / last, H - pad - (H - 2 * pad) * min(max(r, 0.0), 1.0)
-
-    def line(pts, colour):
-        coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, r) for s, r in pts))
-        return f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>'
-
-    with open(path + ".tmp", "w") as f:
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-size="11">\n'
-                f'<rect width="{W}" height="{H}" fill="white"/>\n'
-                f'<line x1="{pad}" y1="{H - pad}" x2="{W - pad}" y2="{H - pad}" stroke="black"/>\n'
-                f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{H - pad}" stroke="black"/>\n'
-                f'<text x="{pad}" y="{pad - 8}">reward (blue: per step, red: evaluation), 0..1 over {last} steps</text>\n'
-                f"{line(points, 'steelblue')}\n{line(evals, 'firebrick')}\n</svg>\n")
-    os.replace(path + ".tmp", path)
 
 
 class Rollouts:
@@ -199,7 +185,8 @@ def main(args: Args) -> None:
     from tqdm.auto import tqdm
 
     import eqx_tx
-    from eqx_tx.train.checkpoint import restore_checkpoint, save_checkpoint
+    from eqx_tx.core.runlog import MetricsLog, write_line_chart
+    from eqx_tx.train.checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint
     from eqx_tx.io.loading import resolve_source
     from eqx_tx.rl import group_advantages, rollout_batch
     from eqx_tx.io.saving import tokenizer_files
@@ -221,71 +208,89 @@ def main(args: Args) -> None:
     if args.policy.kl_coef:  # LoRA: the frozen base; full fine-tuning: a copy of the starting weights
         reference = eqx_tx.layers.lora.without_adapters(model) if args.lora_rank > 0 else jax.tree.map(
             lambda x: x.copy() if isinstance(x, jax.Array) else x, model)
-    config = TrainConfig(optimizer=dataclasses.replace(args.optimizer, total_steps=args.steps),
+    config = TrainConfig(optimizer=args.optimizer,
                          policy_loss=args.policy, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
     state = eqx_tx.init_train_state(model, config)
     del model
     os.makedirs(args.output_dir, exist_ok=True)
     checkpoint_dir = os.path.join(args.output_dir, "checkpoint")
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if args.resume:
+    if args.resume and has_checkpoint(checkpoint_dir):
         check_resume(checkpoint_dir, _run_metadata(args))
         state, meta = restore_checkpoint(checkpoint_dir, state)
         print(f"resumed from {checkpoint_dir} at step {meta['step']}")
+    elif args.resume:
+        print(f"--resume: no checkpoint in {checkpoint_dir} yet; starting at step 0")
     start = int(state.step)
-    history = []
-    if os.path.isfile(metrics_path):  # keep the steps before `start` (resume), drop any after
-        with open(metrics_path) as f:
-            history = [r for r in map(json.loads, f) if r["step"] < start]
+    log = MetricsLog(metrics_path, start=start)  # a resumed run keeps the rows before `start`
     rollouts = Rollouts(args, tokenizer, reward, state.model, examples + eval_set)
 
     def evaluate(step):
         _, _, r = rollouts.sample(state.model, eval_set, seed=10**6 + step)
         return float(r.mean())
 
-    def record(row):
-        history.append(row)
-        with open(metrics_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in history)
-        os.replace(metrics_path + ".tmp", metrics_path)
-
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not args.progress, desc="grpo")
-    tokens = 0
-    t0 = time.perf_counter()
-    for step in bar:
-        row = {"step": step}
-        if step % args.eval_every == 0:
-            row["eval_reward"] = evaluate(step)
-        order = np.random.default_rng([args.seed, step]).choice(len(examples), args.prompts_per_step,
-                                                                  replace=len(examples) < args.prompts_per_step)
-        batch_examples = [examples[i] for i in order]
-        prompts, gens, rewards = rollouts.sample(state.model, batch_examples, seed=step)
-        batch = rollout_batch(prompts, gens, group_advantages(rewards, scale=args.scale_advantages), pad_id=eos)
-        if reference is not None:
-            batch = dataclasses.replace(batch, reference_logprobs=np.asarray(eqx_tx.token_logprobs(
-                reference, batch.input_ids, batch.target_ids,
-                attention_mask=np.arange(batch.input_ids.shape[1]) < batch.lengths[:, None])))
-        state, metrics = eqx_tx.train_step(state, batch, config)
-        tokens += sum(len(g.tokens) for g in gens)
-        row |= {"reward": float(rewards.mean()), **{k: float(v) for k, v in metrics.items()},
-                "sampled_tokens_per_s": tokens / (time.perf_counter() - t0)}
-        record(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row.get('kl', 0.0):.4f}",
-                        clip=f"{row['clip_fraction']:.3f}", tok_s=f"{row['sampled_tokens_per_s']:,.0f}")
-        if not args.progress and (step + 1) % 10 == 0:
-            print(f"step {step + 1}: reward {row['reward']:.3f} clip {row['clip_fraction']:.3f} "
-                  f"kl {row.get('kl', 0.0):.4f} sampled tokens/s {row['sampled_tokens_per_s']:,.0f}")
-        stopping = args.stop_after is not None and step + 1 - start >= args.stop_after
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stopping:
-            save_checkpoint(checkpoint_dir, state, metadata=dict(_run_metadata(args), data_position=step + 1))
-        if stopping:
-            print(f"stopped after step {step + 1}; continue with --resume")
-            return
+    total = args.optimizer.total_steps
+    print("on-policy: one optimizer step per rollout batch, so the importance ratio is 1 up to the sampler's "
+          "numerics and clip stays ~0" + ("" if args.policy.kl_coef else "; kl is not computed (--kl-coef 0)"),
+          file=sys.stderr)
+    bar = tqdm(range(start, total), initial=start, total=total, disable=not args.progress, desc="grpo")
+    steady_tokens, steady_seconds = 0, 0.0  # sampling after the first step of this process (which compiles)
+    with StopSignals() as stop:
+        for step in bar:
+            row = {"step": step}
+            if step % args.eval_every == 0:
+                row["eval_reward"] = evaluate(step)
+            order = np.random.default_rng([args.seed, step]).choice(len(examples), args.prompts_per_step,
+                                                                      replace=len(examples) < args.prompts_per_step)
+            batch_examples = [examples[i] for i in order]
+            t0 = time.perf_counter()
+            prompts, gens, rewards = rollouts.sample(state.model, batch_examples, seed=step)
+            sample_seconds = time.perf_counter() - t0
+            batch = rollout_batch(prompts, gens, group_advantages(rewards, scale=args.scale_advantages), pad_id=eos)
+            if reference is not None:
+                batch = dataclasses.replace(batch, reference_logprobs=np.asarray(eqx_tx.token_logprobs(
+                    reference, batch.input_ids, batch.target_ids,
+                    attention_mask=np.arange(batch.input_ids.shape[1]) < batch.lengths[:, None])))
+            t1 = time.perf_counter()
+            state, metrics = eqx_tx.train_step(state, batch, config)
+            metrics = {k: float(v) for k, v in metrics.items()}  # (waits for the step)
+            train_seconds = time.perf_counter() - t1
+            sampled = sum(len(g.tokens) for g in gens)
+            if step > start:
+                steady_tokens, steady_seconds = steady_tokens + sampled, steady_seconds + sample_seconds
+            row |= {"reward": float(rewards.mean()), **metrics, "sampled_tokens": sampled,
+                    "sample_seconds": sample_seconds, "train_seconds": train_seconds,
+                    "sampled_tokens_per_s": sampled / max(sample_seconds, 1e-9),
+                    "train_tokens_per_s": int(np.asarray(batch.lengths).sum()) / max(train_seconds, 1e-9),
+                    "compiled": step == start}
+            log.add(row)
+            log.flush()
+            steady = f"{steady_tokens / steady_seconds:,.0f}" if steady_seconds else "compiling"
+            postfix = dict(reward=f"{row['reward']:.3f}", clip=f"{row['clip_fraction']:.3f}", tok_s=steady)
+            if args.policy.kl_coef:
+                postfix["kl"] = f"{row['kl']:.4f}"
+            bar.set_postfix(postfix)
+            if not args.progress and (step + 1) % 10 == 0:
+                print(f"step {step + 1}: reward {row['reward']:.3f} clip {row['clip_fraction']:.3f}"
+                      + (f" kl {row['kl']:.4f}" if args.policy.kl_coef else "")
+                      + f" sampled tokens/s {steady} (after the first step; per step in metrics.jsonl)")
+            stopping = args.stop_after is not None and step + 1 - start >= args.stop_after
+            interrupted = stop.received is not None
+            if (step + 1) % args.save_every == 0 or step + 1 == total or stopping or interrupted:
+                save_checkpoint(checkpoint_dir, state, metadata=dict(_run_metadata(args), data_position=step + 1))
+            if interrupted:
+                stop.exit(step + 1, checkpoint_dir)
+            if stopping:
+                print(f"stopped after step {step + 1}; continue with --resume")
+                return
     bar.close()
-    record({"step": args.steps, "eval_reward": evaluate(args.steps)})
-    points = [(r["step"], r["reward"]) for r in history if "reward" in r]
-    evals = [(r["step"], r["eval_reward"]) for r in history if "eval_reward" in r]
-    write_svg(os.path.join(args.output_dir, "reward.svg"), points, evals)
+    log.add({"step": total, "eval_reward": evaluate(total)})
+    log.flush()
+    write_line_chart(os.path.join(args.output_dir, "reward.svg"),
+                     {"per step": ("steelblue", log.series("reward")), "evaluation": ("firebrick",
+                                                                             log.series("eval_reward"))},
+                     title="reward", y_range=(0.0, 1.0))
+    evals = log.series("eval_reward")
     print(f"evaluation reward {evals[0][1]:.3f} -> {evals[-1][1]:.3f}")
     model = state.model
     if args.lora_rank > 0:

@@ -22,6 +22,7 @@ import tyro
 @dataclasses.dataclass
 class Args:
     num_processes: int = 2
+    """Processes to start on this machine (each gets its share of the devices)."""
     devices_per_process: int = 4
     """Fake CPU devices per process (XLA_FLAGS); ignored with --no-cpu."""
     cpu: bool = True

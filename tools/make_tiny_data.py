@@ -59,9 +59,13 @@ def story(rng: random.Random) -> str:
 @dataclasses.dataclass
 class Args:
     out_dir: str = os.path.join(os.path.dirname(__file__), "..", "eqx_tx", "data")
+    """Where tiny_stories.jsonl and tiny_tokenizer.json are written (the package's data folder)."""
     stories: int = 1000
+    """How many stories to generate."""
     vocab_size: int = 512
+    """The byte-level BPE tokenizer's vocabulary size."""
     seed: int = 0
+    """The stories' random seed."""
 
 
 def main(args: Args) -> None:

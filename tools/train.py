@@ -21,7 +21,7 @@ import tyro
 
 from eqx_tx.train.data import LongSequences, Packing
 from eqx_tx.core.distributed import DistributedArgs
-from eqx_tx.cli import check_output_dir, check_resume, run_tool
+from eqx_tx.cli import StopSignals, check_output_dir, check_resume, run_tool
 from eqx_tx.layers.lora import ALL_TARGETS
 from eqx_tx.train.training import OptimizerConfig, TrainConfig
 
@@ -172,11 +172,18 @@ def _run_metadata(args: Args) -> dict:
 
 
 def _train(args: Args, state, examples, mesh, checkpoint_dir: str, main_process: bool):
-    """The step loop. **Returns** the final state, or `None` after `--stop-after`."""
+    """The step loop. **Returns** the final state, or `None` after `--stop-after`.
+
+    Every step's loss and learning rate go to OUTPUT_DIR/metrics.jsonl (read from the
+    device every 10 steps, so the loop does not wait for each step) and the curve to
+    OUTPUT_DIR/loss.svg. Tokens/s are measured after the first step of this process,
+    whose time is the compilation's and reported apart. SIGINT or SIGTERM finish the
+    step, save a checkpoint and exit with how to resume."""
     from tqdm.auto import tqdm
 
-    from eqx_tx.train.checkpoint import save_checkpoint
     from eqx_tx.core.distributed import global_batch, local_rows, to_host
+    from eqx_tx.core.runlog import MetricsLog, write_line_chart
+    from eqx_tx.train.checkpoint import save_checkpoint
     from eqx_tx.train.training import train_step
 
     rows = local_rows(mesh, args.batch_size)  # this process's share of every batch
@@ -184,29 +191,59 @@ def _train(args: Args, state, examples, mesh, checkpoint_dir: str, main_process:
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not (args.progress and main_process),
                desc="train")
+    log = MetricsLog(os.path.join(args.output_dir, "metrics.jsonl"), start=start)
+    pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
     first_loss = last_loss = None
     t0, t0_step = time.perf_counter(), start
-    for step in bar:
-        batch = global_batch(examples.batch(step, args.batch_size, seed=args.seed, rows=rows), mesh, args.batch_size)
-        state, metrics = train_step(state, batch, args.train)
-        if step == start:
-            first_loss = float(to_host(metrics["loss"]))
-            t0, t0_step = time.perf_counter(), step + 1  # exclude the compile step from tokens/s
-        if (step + 1) % 10 == 0 or step + 1 == args.steps:
-            loss = last_loss = float(to_host(metrics["loss"]))
-            lr = float(to_host(metrics["learning_rate"]))
-            done = step + 1 - t0_step
-            rate = done * tokens_per_step / max(time.perf_counter() - t0, 1e-9) if done else 0.0
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
-            if not args.progress and main_process:
-                print(f"step {step + 1}: loss {loss:.4f} lr {lr:.2e} tokens/s {rate:,.0f}")
-        stopping = args.stop_after is not None and step + 1 - start >= args.stop_after
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stopping:
-            save_checkpoint(checkpoint_dir, state, metadata=dict(_run_metadata(args), data_position=step + 1))
-        if stopping:
-            if main_process:
-                print(f"stopped after step {step + 1}; continue with --resume")
-            return None
+
+    def record(step: int) -> float:
+        """Bring the pending metrics to the host, log them, and return tokens/s so far."""
+        nonlocal last_loss
+        done = step + 1 - t0_step
+        rate = done * tokens_per_step / max(time.perf_counter() - t0, 1e-9) if done > 0 else 0.0
+        for s_, metrics in pending:
+            last_loss = float(to_host(metrics["loss"]))
+            log.add({"step": s_, "loss": last_loss, "learning_rate": float(to_host(metrics["learning_rate"])),
+                     "grad_norm": float(to_host(metrics["grad_norm"])) if "grad_norm" in metrics else None,
+                     "tokens_per_s": rate if s_ >= t0_step else None})
+        pending.clear()
+        if main_process:
+            log.flush()
+            write_line_chart(os.path.join(args.output_dir, "loss.svg"), {"loss": ("steelblue", log.series("loss"))},
+                             title="training loss")
+        return rate
+
+    with StopSignals() as stop:
+        for step in bar:
+            batch = global_batch(examples.batch(step, args.batch_size, seed=args.seed, rows=rows), mesh,
+                                 args.batch_size)
+            state, metrics = train_step(state, batch, args.train)
+            pending.append((step, metrics))
+            if step == start:
+                first_loss = float(to_host(metrics["loss"]))  # (waits for the step: compile + one step)
+                compile_seconds = time.perf_counter() - t0
+                t0, t0_step = time.perf_counter(), step + 1  # tokens/s from the next step on
+                if main_process:
+                    bar.write(f"first step {compile_seconds:.1f} s (compilation included; tokens/s counts the "
+                              "steps after it)")
+            stopping = args.stop_after is not None and step + 1 - start >= args.stop_after
+            interrupted = stop.received is not None
+            if (step + 1) % 10 == 0 or step + 1 == args.steps or stopping or interrupted:
+                rate = record(step)
+                lr = log.rows[-1]["learning_rate"]
+                steady = f"{rate:,.0f}" if step + 1 > t0_step else "-"
+                bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.2e}", tok_s=steady)
+                if not args.progress and main_process:
+                    print(f"step {step + 1}: loss {last_loss:.4f} lr {lr:.2e} tokens/s {steady}")
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stopping or interrupted:
+                save_checkpoint(checkpoint_dir, state, metadata=dict(_run_metadata(args), data_position=step + 1))
+            if interrupted:
+                bar.close()
+                stop.exit(step + 1, checkpoint_dir)
+            if stopping:
+                if main_process:
+                    print(f"stopped after step {step + 1}; continue with --resume")
+                return None
     bar.close()
     if main_process and first_loss is not None:
         print(f"loss {first_loss:.4f} -> {last_loss:.4f}")
@@ -238,7 +275,7 @@ def main(args: Args) -> None:
     from eqx_tx.infer.text import Tokenizer
 
     import eqx_tx
-    from eqx_tx.train.checkpoint import restore_checkpoint
+    from eqx_tx.train.checkpoint import has_checkpoint, restore_checkpoint
     from eqx_tx.core.distributed import is_main_process
 
     eqx_tx.enable_console_logging()
@@ -261,11 +298,14 @@ def main(args: Args) -> None:
         state = eqx_tx.init_train_state(model, args.train)
     del model
     checkpoint_dir = os.path.join(args.output_dir, "checkpoint")
-    if args.resume:
+    if args.resume and has_checkpoint(checkpoint_dir):
         check_resume(checkpoint_dir, _run_metadata(args))
         state, meta = restore_checkpoint(checkpoint_dir, state)
         if main_process:
             print(f"resumed from {checkpoint_dir} at step {meta['step']}")
+    elif args.resume and main_process:
+        print(f"--resume: no checkpoint in {checkpoint_dir} yet; starting at step 0")
+    os.makedirs(args.output_dir, exist_ok=True)
     state = _train(args, state, examples, mesh, checkpoint_dir, main_process)
     if state is not None:
         _export(args, state.model, source_dir, tokenizer_path, main_process)

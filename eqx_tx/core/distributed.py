@@ -31,7 +31,9 @@ class DistributedArgs:
     coordinator_address: str | None = None
     """host:port of process 0's coordinator service."""
     num_processes: int | None = None
+    """How many processes the run has (one per host, or per local launch)."""
     process_id: int | None = None
+    """This process's rank, 0 .. num_processes - 1 (0 runs the coordinator)."""
     initialization_timeout: int = 120
     """Seconds to wait for the coordinator before giving up."""
     heartbeat_timeout: int = 100

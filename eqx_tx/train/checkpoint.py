@@ -111,6 +111,12 @@ def _step_dirs(root) -> list[str]:
     return [n for n in names if os.path.isfile(os.path.join(root, n, COMMIT_MARKER))]
 
 
+def has_checkpoint(root: str | os.PathLike) -> bool:
+    """Whether `root` holds a committed checkpoint (`--resume` of a run that saved none
+    yet starts from the beginning)."""
+    return bool(_step_dirs(root))
+
+
 def latest_checkpoint(root: str | os.PathLike) -> str:
     """The newest committed step directory under `root` (or `root` itself if it is one)."""
     root = os.fspath(root)
