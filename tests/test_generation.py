@@ -293,3 +293,16 @@ def test_bad_generation_input(checkpoints, prompts, params, message):
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_streamed_generate_compiles_its_decode_loop_once(checkpoints):
+    """The decode loop runs in segments when streaming; the state it returns is
+    committed to its devices, and so is the first one (an uncommitted first state made
+    every streamed call compile the loop twice)."""
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False, dtype=jnp.bfloat16)
+    before = generation.decode._cache_size()
+    segments = []
+    results = generate(model, PROMPTS, SamplingParams(max_new_tokens=9, stop_token_ids=()), stream_every=2,
+                       on_tokens=segments.append)
+    assert len(segments) >= 4 and all(len(r.tokens) == 9 for r in results)
+    assert generation.decode._cache_size() - before == 1

@@ -6,6 +6,7 @@ import re
 import pickle
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -177,3 +178,21 @@ def test_missing_directory_and_config_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         eqx_tx.load(tmp_path / "empty", progress=False)
+
+
+def test_saved_files_have_the_usual_modes(tmp_path):
+    """A saved checkpoint is readable by others as a plain `mkdir` / `open` makes it
+    (temporary directories are 0700 and safetensors writes 0600)."""
+    import stat
+
+    model = eqx_tx.init_model(eqx_tx.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=16), key=jax.random.key(0))
+    mask = os.umask(0o022)
+    try:
+        eqx_tx.save(model, tmp_path / "final")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(tmp_path / "final").st_mode) == 0o755
+    for name in os.listdir(tmp_path / "final"):
+        assert stat.S_IMODE(os.stat(tmp_path / "final" / name).st_mode) == 0o644, name

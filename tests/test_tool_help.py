@@ -46,4 +46,6 @@ def test_every_flag_has_a_description(tool):
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--" in out.stdout
+    usage = out.stdout.splitlines()[0]
+    assert "{" not in usage, usage  # no bare positional (a subcommand to choose)
     assert _undescribed(out.stdout) == [], out.stdout

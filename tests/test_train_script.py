@@ -80,6 +80,15 @@ def test_default_preset_run_learns_and_saves_an_hf_checkpoint(trained_tiny):
     logp = torch.log_softmax(torch.as_tensor(hf_logits(final, ids)), -1)[0, :-1]
     nll = -logp.gather(-1, torch.as_tensor(ids[0, 1:])[:, None]).mean().item()
     assert nll < 2.5, nll
+    # It ships a chat format (plain text turns), so `tools/sample.py --chat` works on it,
+    # and its files are readable by others (0644, not safetensors' 0600).
+    chat = eqx_tx.load_tokenizer(final).encode_prompt([{"role": "user", "content": "Hi"}], chat=True)
+    assert eqx_tx.load_tokenizer(final).decode(chat) == "User: Hi\n\nAssistant:"
+    assert os.stat(os.path.join(final, "model.safetensors")).st_mode & 0o044 == 0o044
+    # Its run wrote the per-step metrics and the loss curve.
+    rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(final), "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and rows[-1]["loss"] < rows[0]["loss"]
+    assert os.path.isfile(os.path.join(os.path.dirname(final), "loss.svg"))
 
 
 @pytest.mark.parametrize(

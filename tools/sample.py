@@ -125,6 +125,7 @@ def main(args: Args) -> None:
 
     import eqx_tx
     from eqx_tx.infer.generation import generate
+    from eqx_tx.infer.steps import check_requests
 
     eqx_tx.enable_console_logging()
     from eqx_tx.io.loading import resolve_source
@@ -166,6 +167,15 @@ def main(args: Args) -> None:
                 sys.stdout.write(prefix + delta + ("" if len(sequences) == 1 else "\n"))
         sys.stdout.flush()
 
+    # Bad requests (a prompt past the model's positions, ...) fail here, before any output.
+    check_requests(model.config, ids, params, args.n, args.prefill_chunk_size)
+    compile_seconds = []
+
+    def on_compile(event: str, duration: float, *rest, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compile_seconds.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
     if len(sequences) == 1 and main_process:
         sys.stdout.write(sequences[0])
     start = time.perf_counter()
@@ -179,6 +189,7 @@ def main(args: Args) -> None:
         on_tokens=on_tokens,
     )
     elapsed = time.perf_counter() - start
+    jax.monitoring.unregister_event_duration_listener(on_compile)
     if not main_process:
         return
     print()
@@ -187,11 +198,12 @@ def main(args: Args) -> None:
             print(f"--- [{labels[i]}] ({r.stop_reason}) {p}{shown[i]}")
     end = time.perf_counter()
     total = sum(len(r.tokens) for r in results)
-    report = f"{total} tokens in {elapsed:.2f} s (first {first_update[0][1]} incl. compile and prefill: " \
-             f"{first_update[0][0] - start:.2f} s)"
+    compiling = sum(compile_seconds)
+    report = (f"{total} tokens in {elapsed:.2f} s: compilation {compiling:.2f} s (once per shape), prefill and the "
+              f"first {first_update[0][1]} tokens {first_update[0][0] - start - compiling:.2f} s")
     later = total - first_update[0][1]
     if later > 0:
-        report += f"; decode {later / (end - first_update[0][0]):.1f} tokens/s"
+        report += f", then {later} tokens at {later / (end - first_update[0][0]):.1f} tokens/s"
     print(report, file=sys.stderr)
 
 

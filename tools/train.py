@@ -34,16 +34,16 @@ class Args:
     model: str = "tiny"
     """A preset name (tiny, qwen3-4b, ...: random init), a local HF directory, or a hub repo id."""
     data: str | None = None
-    """jsonl with a 'text', 'input_ids' or 'messages' (a chat: loss on the assistant's tokens) field per line
-    (default: the shipped tiny stories; 'arithmetic': the facts of tools/grpo.py's built-in task as text)."""
+    """jsonl with a 'text', 'input_ids' or 'messages' (a chat: loss on the assistant's tokens) field per line;
+    'arithmetic': the facts of tools/grpo.py's built-in task as text; None: the tiny stories shipped in the package."""
     output_dir: str = "runs/tiny"
     """Checkpoints go to OUTPUT_DIR/checkpoint, the final HF model to OUTPUT_DIR/final."""
     seq_len: int = 128
     """Tokens per training row."""
     batch_size: int = 16
     """Rows per optimizer step (split over the data-parallel devices and micro-batches)."""
-    train: Annotated[TrainConfig, tyro.conf.OmitArgPrefixes] = DEFAULT_TRAIN
-    """The training step; the run lasts --total-steps steps."""
+    train: Annotated[TrainConfig, tyro.conf.OmitArgPrefixes, tyro.conf.AvoidSubcommands] = DEFAULT_TRAIN
+    """The training step (cross entropy: tools/grpo.py trains the policy losses); the run lasts --total-steps steps."""
     lora_rank: int = 0
     """0 = full fine-tune; > 0 trains LoRA adapters of this rank on a frozen base."""
     lora_alpha: float = 16.0
@@ -199,13 +199,13 @@ def _train(args: Args, state, examples, mesh, checkpoint_dir: str, main_process:
     def record(step: int) -> float:
         """Bring the pending metrics to the host, log them, and return tokens/s so far."""
         nonlocal last_loss
+        values = [(s_, {k: float(to_host(v)) for k, v in metrics.items()}) for s_, metrics in pending]  # (waits)
         done = step + 1 - t0_step
         rate = done * tokens_per_step / max(time.perf_counter() - t0, 1e-9) if done > 0 else 0.0
-        for s_, metrics in pending:
-            last_loss = float(to_host(metrics["loss"]))
-            log.add({"step": s_, "loss": last_loss, "learning_rate": float(to_host(metrics["learning_rate"])),
-                     "grad_norm": float(to_host(metrics["grad_norm"])) if "grad_norm" in metrics else None,
-                     "tokens_per_s": rate if s_ >= t0_step else None})
+        for s_, metrics in values:
+            last_loss = metrics["loss"]
+            log.add({"step": s_, "loss": last_loss, "learning_rate": metrics["learning_rate"],
+                     "grad_norm": metrics.get("grad_norm"), "tokens_per_s": rate if s_ >= t0_step else None})
         pending.clear()
         if main_process:
             log.flush()
@@ -254,6 +254,7 @@ def _export(args: Args, model, source_dir, tokenizer_path, main_process: bool) -
     """The final HF checkpoint (LoRA: merged, plus the PEFT adapter)."""
     import eqx_tx
     from eqx_tx.io.saving import tokenizer_files
+    from eqx_tx.train.data import TINY_CHAT_TEMPLATE, TINY_TOKENIZER
 
     final_dir = os.path.join(args.output_dir, "final")
     if args.lora_rank > 0:
@@ -262,6 +263,8 @@ def _export(args: Args, model, source_dir, tokenizer_path, main_process: bool) -
     extra = tokenizer_files(source_dir)
     if tokenizer_path is not None:
         extra["tokenizer.json"] = tokenizer_path
+    if tokenizer_path == TINY_TOKENIZER:  # the tiny preset: a plain-text chat format, so --chat can be tried
+        extra["chat_template.jinja"] = TINY_CHAT_TEMPLATE
     eqx_tx.save(model, final_dir, extra_files=extra)
     if main_process:
         print(f"saved {final_dir}" + (f" and {args.output_dir}/adapter" if args.lora_rank > 0 else ""))

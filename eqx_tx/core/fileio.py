@@ -31,6 +31,25 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def usual_modes(path: str) -> None:
+    """Give `path` and what is below it the modes a plain `mkdir` / `open` would
+    (`0o777` / `0o666` less the umask): temporary directories are created 0700 and
+    safetensors writes its files 0600, which other users and containers cannot read."""
+    mask = _umask()
+    os.chmod(path, 0o777 & ~mask)
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(directory: str | os.PathLike):
     """Yield a temporary directory that replaces `directory` only if the block succeeds.
@@ -39,7 +58,7 @@ def atomic_directory(directory: str | os.PathLike):
     and the swap is two renames: the old directory aside, the new one in place; the
     old one is deleted last. A crash before the swap leaves the previous directory
     untouched (plus a `.tmp-` sibling); between the two renames the previous version
-    survives as `<name>.old-<pid>`.
+    survives as `<name>.old-<pid>`. The result has the usual modes (`usual_modes`).
     """
     directory = os.path.abspath(os.fspath(directory))
     parent, name = os.path.split(directory)
@@ -47,6 +66,7 @@ def atomic_directory(directory: str | os.PathLike):
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
         yield tmp
+        usual_modes(tmp)
         for entry in os.scandir(tmp):
             if entry.is_file():
                 fsync_file(entry.path)

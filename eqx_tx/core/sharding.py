@@ -94,12 +94,15 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     inner = ep * sp * tp
+    platform = devices[0].platform if devices else "?"
+    more = (f" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={inner * max(dp, 1)} before JAX "
+            "starts gives that many devices)" if platform == "cpu" else "")
     if dp == -1:
         if n % inner:
-            raise ValueError(f"{n} devices are not divisible by ep*sp*tp = {ep}*{sp}*{tp}")
+            raise ValueError(f"{n} {platform} device(s) are not divisible by ep*sp*tp = {ep}*{sp}*{tp}{more}")
         dp = n // inner
     if dp * inner != n:
-        raise ValueError(f"mesh dp*ep*sp*tp = {dp}*{ep}*{sp}*{tp} = {dp * inner} != {n} devices")
+        raise ValueError(f"mesh dp*ep*sp*tp = {dp}*{ep}*{sp}*{tp} = {dp * inner} != {n} {platform} device(s){more}")
     grid = np.asarray(devices, dtype=object).reshape(dp, ep, sp, tp)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 

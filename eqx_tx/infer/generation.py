@@ -223,7 +223,7 @@ def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeCo
         logits = jnp.repeat(logits, plan.n, axis=0)
         lengths = np.repeat(lengths, plan.n)
     S = plan.S
-    return DecodeState(
+    state = DecodeState(
         cache=cache,
         logits=logits,
         lengths=jnp.asarray(lengths),
@@ -233,6 +233,10 @@ def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeCo
         logprobs=jnp.zeros((S, plan.max_new), jnp.float32),
         step=jnp.zeros((), jnp.int32),
     )
+    # Committed, as the state that `decode` returns is: a jitted function compiles once
+    # for uncommitted and once more for committed inputs (every streamed `generate`
+    # compiled its decode loop twice).
+    return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), state)
 
 
 def _decode_streaming(model, state: DecodeState, sampler: SamplerArrays, *, compute: ComputeConfig,

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..core.distributed import host_device, to_host
-from ..core.fileio import barrier, fsync_dir, fsync_file, write_text_durably
+from ..core.fileio import barrier, fsync_dir, fsync_file, usual_modes, write_text_durably
 from .training import TrainState
 
 METADATA_FILE = "metadata.json"
@@ -88,6 +88,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, *, metadata: dic
                 tensors[_box_key(name, shard.index, leaf.shape)] = np.asarray(shard.data)
     path = os.path.join(directory, f"shards-{jax.process_index():05d}.safetensors")
     save_file(tensors, path)
+    usual_modes(path)  # (safetensors writes 0600)
     fsync_file(path)
     _after_shards_written(step)
     barrier(f"checkpoint-{step}-written")

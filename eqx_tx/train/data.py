@@ -37,6 +37,7 @@ LongSequences = Literal["truncate", "error"]
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # eqx_tx/data
 TINY_STORIES = os.path.join(DATA_DIR, "tiny_stories.jsonl")
+TINY_CHAT_TEMPLATE = os.path.join(DATA_DIR, "tiny_chat_template.jinja")  # plain "User: ..." turns
 TINY_TOKENIZER = os.path.join(DATA_DIR, "tiny_tokenizer.json")
 
 
