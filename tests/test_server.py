@@ -224,10 +224,12 @@ def test_errors_of_any_kind_come_in_openai_format(served):
         assert path in answer.json()["error"]["message"]
 
 
-def test_health_metrics_and_a_first_request_that_compiles_nothing(served):
-    """The server compiled every step shape before it listened (`serve.build` warms
-    up), so requests of new sizes compile nothing; /health and /metrics report."""
-    assert _raw(served, "GET", "/health").json() == {"status": "ok"}
+def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny):
+    """`serve.build` warms the engine up: the first requests of a fresh server, with
+    new sizes (n, prompt length), compile nothing."""
+    serve = load_tool("serve")
+    engine = EngineConfig(max_seqs=4, max_tokens_in_cache=1024, page_size=16, prefill_chunk=32)
+    loop, _ = serve.build(serve.Args(model=trained_tiny, engine=engine))
     compiles = []
 
     def listener(event, *args, **kwargs):
@@ -236,11 +238,22 @@ def test_health_metrics_and_a_first_request_that_compiles_nothing(served):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        for n, prompt in ((3, "A dog"), (1, "Once upon a time there was a little girl who lived in a village")):
-            served.client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=n, temperature=0.5, seed=1)
+        for n, prompt in ((1, [5, 6, 7]), (3, list(range(1, 40)))):
+            done = [threading.Event() for _ in range(n)]
+            for j in range(n):
+                loop.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0.5, seed=1), j,
+                            lambda e, j=j: e.finish_reason is not None and done[j].set()).result(timeout=60)
+            assert all(d.wait(60) for d in done)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        loop.stop()
     assert compiles == []
+
+
+def test_health_and_metrics(served):
+    assert _raw(served, "GET", "/health").json() == {"status": "ok"}
+    for n, prompt in ((3, "A dog"), (1, "Once upon a time there was a little girl who lived in a village")):
+        served.client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=n, temperature=0.5, seed=1)
     text = _raw(served, "GET", "/metrics").text
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert int(lines['eqx_tx:requests_total{endpoint="/v1/completions",status="200"}']) >= 2

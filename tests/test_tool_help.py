@@ -49,3 +49,16 @@ def test_every_flag_has_a_description(tool):
     usage = out.stdout.splitlines()[0]
     assert "{" not in usage, usage  # no bare positional (a subcommand to choose)
     assert _undescribed(out.stdout) == [], out.stdout
+
+
+@pytest.mark.parametrize("tool, flags, message", [
+    ("train", ["--learning-rate", "-2e-4"], r"learning_rate \(--learning-rate\) must be a\s+finite number > 0"),
+    ("grpo", ["--model", "x", "--learning-rate", "-1"], r"learning_rate \(--learning-rate\) must be a\s+finite"),
+    ("train", ["--b2", "1.5"], r"b2 \(--b2\) must be in \[0, 1\)"),
+])
+def test_bad_optimizer_flags_are_refused_naming_the_flag_and_range(tool, flags, message):
+    env = dict(os.environ, COLUMNS="200", EQX_TX_SYSTEM_MALLOC="1")
+    out = subprocess.run([sys.executable, f"{ROOT}/tools/{tool}.py", *flags], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode != 0
+    assert re.search(message, re.sub(r"[│ ]+", " ", out.stderr + out.stdout)), out.stderr

@@ -258,3 +258,14 @@ def mesh_context(tree):
     if mesh is None or current_mesh() is not None:
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)
+
+
+def commit(tree):
+    """`tree` with every uncommitted array committed to where it already is.
+
+    A jitted function is compiled once for uncommitted and once more for committed
+    inputs of the same shapes; its outputs are committed. State that a loop feeds
+    back into the same function (a decode state, an engine's page pool) is committed
+    from the start, so the first call's compilation is the only one."""
+    return jax.tree.map(lambda x: x if not isinstance(x, jax.Array) or x.committed else jax.device_put(x, x.sharding),
+                        tree)

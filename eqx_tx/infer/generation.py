@@ -26,7 +26,7 @@ from ..cache.shared_prefix import SharedPrefixCache
 from ..core.compute import ComputeConfig
 from ..core.distributed import to_host
 from ..core.log import log_once
-from ..core.sharding import current_mesh, mesh_context
+from ..core.sharding import commit, current_mesh, mesh_context
 from ..core.util import round_up
 from ..kernels.dispatch import target_platform
 from ..kernels.mask import AttentionMask
@@ -233,10 +233,7 @@ def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeCo
         logprobs=jnp.zeros((S, plan.max_new), jnp.float32),
         step=jnp.zeros((), jnp.int32),
     )
-    # Committed, as the state that `decode` returns is: a jitted function compiles once
-    # for uncommitted and once more for committed inputs (every streamed `generate`
-    # compiled its decode loop twice).
-    return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), state)
+    return commit(state)  # as the state `decode` returns (every streamed `generate` compiled its loop twice)
 
 
 def _decode_streaming(model, state: DecodeState, sampler: SamplerArrays, *, compute: ComputeConfig,

@@ -10,7 +10,7 @@ import numpy as np
 from ..cache.allocate import new_paged_cache
 from ..core.compute import ComputeConfig
 from ..core.distributed import to_host
-from ..core.sharding import current_mesh, mesh_context
+from ..core.sharding import commit, current_mesh, mesh_context
 from ..models import CausalLM
 from .sampling import SamplerArrays, SamplingParams
 from .scheduler import DecodeBatch, PrefillBatch
@@ -30,9 +30,10 @@ class Runner:
         self.model, self.compute, self.max_seqs, self.top_logprobs = model, compute, max_seqs, top_logprobs
         self.num_pages, self.pages_per_seq = num_pages, pages_per_seq
         with mesh_context(model):
-            self.cache = new_paged_cache(model.config, pages=num_pages, page_size=page_size, batch=max_seqs,
-                                         pages_per_seq=pages_per_seq, dtype=dtype, mesh=current_mesh())
-            self.logits = zero_logits(max_seqs, model.config.vocab_size)
+            cache = new_paged_cache(model.config, pages=num_pages, page_size=page_size, batch=max_seqs,
+                                    pages_per_seq=pages_per_seq, dtype=dtype, mesh=current_mesh())
+            # Committed, as the steps return them: the first step compiles for the shapes that every later one uses.
+            self.cache, self.logits = commit((cache, zero_logits(max_seqs, model.config.vocab_size)))
         self._sampler: tuple[tuple, SamplerArrays] | None = None  # (running ids, rows) -> their sampler
 
     def prefill(self, batch: PrefillBatch) -> None:
