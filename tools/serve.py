@@ -5,7 +5,7 @@ prefix cache across requests). Any OpenAI client works:
 
     python tools/serve.py --model runs/tiny/final --port 8000
     python -c "from openai import OpenAI; c = OpenAI(base_url='http://localhost:8000/v1', api_key='-');
-               print(c.completions.create(model='final', prompt='Once upon a time', max_tokens=32))"
+               print(c.completions.create(model='tiny', prompt='Once upon a time', max_tokens=32))"
 
 `top_k` is an extra body field (`extra_body={"top_k": 20}`); `logprobs` gives each
 sampled token's log-probability and up to `--max-top-logprobs` alternatives. Before
