@@ -38,6 +38,10 @@ def test_grpo_raises_the_reward_across_a_resume(warm_start, tmp_path, capsys):
     grpo.main(grpo.Args(**settings, resume=True))
     assert "at step 20" in capsys.readouterr().out
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "reward" in r]
+    # The first step of each process compiles: marked, and its time kept apart from the others'.
+    assert [r["step"] for r in steps if r["compiled"]] == [0, 20]
+    assert all(r["sample_seconds"] > 0 and r["sampled_tokens_per_s"] > 0 for r in steps)
     rewards = [r["reward"] for r in rows if "reward" in r]
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     assert len(rewards) == 40 and [r["step"] for r in rows if "reward" in r] == list(range(40))

@@ -37,6 +37,7 @@ def test_samples_several_prompts_and_reports_speed(tiny_dir, tmp_path, capsys):
     assert "--- [0] (length) Once upon a time" in out and "--- [1] (length) One day" in out
     assert "[1] " in out  # streamed deltas, tagged by sequence
     assert "24 tokens in" in err and "tokens/s" in err
+    assert "compilation" in err  # reported apart from the decode speed
 
 
 def test_n_samples_with_an_int8_cache(tiny_dir, capsys):
@@ -57,3 +58,10 @@ def test_bad_prompt_inputs(tiny_dir, tmp_path):
         sample.main(sample.Args(model=tiny_dir, prompts_file=str(tmp_path / "p.jsonl")))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings 2048"):
         sample.main(sample.Args(model=tiny_dir, max_new_tokens=5000))
+
+
+def test_a_prompt_too_long_is_refused_before_it_is_echoed(tiny_dir, capsys):
+    sample = _sample_module()
+    with pytest.raises(ValueError, match="more than max_position_embeddings 2048"):
+        sample.main(sample.Args(model=tiny_dir, prompt=["word " * 3000]))
+    assert "word word" not in capsys.readouterr().out

@@ -250,10 +250,13 @@ def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny):
     assert compiles == []
 
 
-def test_health_and_metrics(served):
+def test_health_metrics_and_a_log_line_per_request(served, eqx_log):
     assert _raw(served, "GET", "/health").json() == {"status": "ok"}
     for n, prompt in ((3, "A dog"), (1, "Once upon a time there was a little girl who lived in a village")):
         served.client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=n, temperature=0.5, seed=1)
+    answered = [m for m in eqx_log if m.startswith("cmpl-")]
+    assert len(answered) == 2 and all("tokens/s" in m and "first token" in m for m in answered)
+    assert "+ 15 output tokens" in answered[0] or "+ 15 output tokens" in answered[1]
     text = _raw(served, "GET", "/metrics").text
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert int(lines['eqx_tx:requests_total{endpoint="/v1/completions",status="200"}']) >= 2
@@ -294,6 +297,14 @@ def test_prompt_lists_zero_tokens_usage_chunks_and_alternatives(served):
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert all(c.usage is None for c in chunks[:-1])
     assert _idle(served.loop) == (False, 0)
+
+
+def test_the_served_name_is_the_checkpoint_s_own(tmp_path):
+    serve = load_tool("serve")
+    (tmp_path / "runs" / "story" / "final").mkdir(parents=True)
+    assert serve.served_name(str(tmp_path / "runs" / "story" / "final")) == "story"
+    assert serve.served_name(str(tmp_path / "runs" / "story")) == "story"
+    assert serve.served_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
 
 
 def test_a_final_text_is_the_decoding_of_all_its_tokens(served):
