@@ -76,8 +76,11 @@ def test_a_failing_step_answers_every_open_request_and_the_loop_serves_on(model)
             assert isinstance(last, EngineFailure) and last.request_id == request_id
             assert "injected device failure" in last.message
         assert not engine.has_work()
-        # The loop goes on: a new request runs to the end and equals generate.
+        # The loop goes on: a new request (a new id: a late cancel of a failed one hits
+        # nothing) runs to the end and equals generate.
+        loop.cancel(ids[0])
         request_id, collector = _submit(loop, [5, 6, 7], 4)
+        assert request_id > max(ids)
         assert collector.ended.wait(TIMEOUT)
         tokens = [e.token for e in collector.events]
         want = eqx_tx.generate(model, [[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0,

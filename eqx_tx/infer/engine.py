@@ -73,11 +73,12 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request and result and start over on a fresh page pool (after a
-        step failed, its donated pool may be gone)."""
+        step failed, its donated pool may be gone). Request ids go on from the old ones."""
         config = self.config
+        first_id = self.scheduler.next_id if hasattr(self, "scheduler") else 0
         self.scheduler = Scheduler(max_seqs=config.max_seqs, num_pages=self.num_pages, page_size=config.page_size,
                                    pages_per_seq=self._pages_per_seq, prefill_chunk=config.prefill_chunk,
-                                   prefill_rows=config.prefill_rows, bank=self._bank)
+                                   prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)

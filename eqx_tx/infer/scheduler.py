@@ -121,11 +121,12 @@ class Scheduler:
     **Arguments:** `max_seqs` slots; a pool of `num_pages` pages of `page_size`
     tokens; requests of up to `pages_per_seq` pages; `prefill_chunk` and
     `prefill_rows` as in `EngineConfig`; `bank`: requests name an adapter of a LoRA
-    bank (padding rows get adapter 0).
+    bank (padding rows get adapter 0); `first_id`: the first request's id (a scheduler
+    that replaces another goes on from its ids: a late cancel never hits a new request).
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int, prefill_chunk: int,
-                 prefill_rows: int, bank: bool = False):
+                 prefill_rows: int, bank: bool = False, first_id: int = 0):
         self.max_seqs, self.num_pages, self.page_size = max_seqs, num_pages, page_size
         self.prefill_chunk, self.prefill_rows, self.bank = prefill_chunk, prefill_rows, bank
         self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
@@ -134,7 +135,7 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * max_seqs
         self.waiting: collections.deque[Request] = collections.deque()
         self.finished: dict[int, Generation] = {}
-        self._next_id = 0
+        self.next_id = first_id
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -145,8 +146,8 @@ class Scheduler:
         need = ceil_div(len(prompt) + params.max_new_tokens, self.page_size)
         if need > self.num_pages:
             raise ValueError(f"request needs {need} pages of {self.page_size} tokens; the pool has {self.num_pages}")
-        request = Request(self._next_id, prompt, params, sample, adapter, frozenset(stop), need)
-        self._next_id += 1
+        request = Request(self.next_id, prompt, params, sample, adapter, frozenset(stop), need)
+        self.next_id += 1
         self.waiting.append(request)
         return request.id
 
