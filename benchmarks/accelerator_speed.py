@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-
-import eqx_tx
-from eqx_tx.models.presets import preset
-from eqx_tx.infer.sampling import SamplingParams
-from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 from model_flops import decode_bytes_per_token, matmul_params, prefill_flops, train_flops
 from timing import median_times
+
+import eqx_tx
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.models.presets import preset
+from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 
 # Data-sheet bf16 dense matmul peak (TFLOP/s) and memory bandwidth (GB/s), by a
 # substring of `jax.Device.device_kind` (the first that matches).

@@ -32,10 +32,10 @@ import numpy as np
 import tyro
 
 import eqx_tx
-from eqx_tx.train.data import Examples
+from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
 from eqx_tx.kernels.dispatch import dot_product_attention
 from eqx_tx.kernels.flash import flash_attention
-from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_train_step, target_mesh
+from eqx_tx.train.data import Examples
 from eqx_tx.train.training import Batch, TrainConfig, loss_and_grads
 
 

@@ -37,9 +37,9 @@ import tyro
 
 import eqx_tx
 from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc
-from eqx_tx.models.presets import PRESETS
 from eqx_tx.infer.config import EngineConfig
 from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.models.presets import PRESETS
 
 
 @dataclasses.dataclass

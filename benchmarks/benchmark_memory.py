@@ -163,9 +163,14 @@ def measure_compile(args: Args, stage: int, seq_len: int, batch: int, mesh, mode
     import jax
     import jax.numpy as jnp
 
+    from eqx_tx.analysis.memory import (
+        MemoryFigures,
+        abstract_train_inputs,
+        compile_engine_step,
+        compile_sampling,
+        compile_train_step,
+    )
     from eqx_tx.core.hlo import format_summary, per_layer_summary
-    from eqx_tx.analysis.memory import (MemoryFigures, abstract_train_inputs, compile_engine_step, compile_sampling,
-                                        compile_train_step)
     from eqx_tx.infer.config import EngineConfig
     from eqx_tx.train.remat_auto import remat_label
     from eqx_tx.train.training import resolve_remat
@@ -221,8 +226,8 @@ def measure_run_single(args: Args, stage: int, seq_len: int, batch: int) -> dict
 
     import eqx_tx
     from eqx_tx.infer.generation import generate
-    from eqx_tx.layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora
     from eqx_tx.infer.sampling import SamplingParams
+    from eqx_tx.layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora
     from eqx_tx.train.training import Batch, init_train_state, train_step
 
     settings = stage_settings(args, stage)

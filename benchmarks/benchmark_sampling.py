@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from timing import median_times
 
 import eqx_tx
-from eqx_tx.train.forward import init_model
 from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc
 from eqx_tx.infer.sampling import SamplerArrays, SamplingParams, sample_batch, sample_token
-from timing import median_times
+from eqx_tx.train.forward import init_model
 
 
 @dataclasses.dataclass

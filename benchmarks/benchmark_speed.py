@@ -38,15 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-
-import eqx_tx
-from eqx_tx.infer.generation import generate, prefill
-from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
-from eqx_tx.cache.allocate import new_cache
-from eqx_tx.infer.sampling import SamplingParams
-from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 from model_flops import decode_bytes_per_token, prefill_flops, train_flops
 from timing import median_times
+
+import eqx_tx
+from eqx_tx.analysis.host_memory import reexec_with_retaining_malloc, retaining_malloc_active
+from eqx_tx.cache.allocate import new_cache
+from eqx_tx.infer.generation import generate, prefill
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 
 SAMPLED = dict(temperature=0.7, top_k=20, top_p=0.95)
 

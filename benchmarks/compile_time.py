@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import tyro
 
 import eqx_tx
-from eqx_tx.train.forward import logits_jit
 from eqx_tx.io.loading import abstract_model
+from eqx_tx.train.forward import logits_jit
 
 
 @dataclasses.dataclass

@@ -60,8 +60,13 @@ def dump(out: str) -> None:
     import jax.numpy as jnp
 
     import eqx_tx
-    from eqx_tx.analysis.memory import (abstract_sharded_model, abstract_train_inputs, compile_engine_step,
-                                        compile_sampling, compile_train_step)
+    from eqx_tx.analysis.memory import (
+        abstract_sharded_model,
+        abstract_train_inputs,
+        compile_engine_step,
+        compile_sampling,
+        compile_train_step,
+    )
     from eqx_tx.infer.config import EngineConfig
     from eqx_tx.models.presets import preset
     from eqx_tx.train.training import train_step_jit

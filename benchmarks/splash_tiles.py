@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import tyro
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from timing import median_times
 
 from eqx_tx.kernels.flash import flash_attention
-from timing import median_times
 
 # (block_q, block_kv, keys per inner step, fused backward, segment ids)
 VARIANTS = [(512, 512, 512, True, True), (512, 512, 512, True, False), (512, 512, 512, False, False),

@@ -1,21 +1,21 @@
 """eqx_tx: memory-first training and sampling of Hugging Face LLMs in JAX + Equinox."""
 
-from .core.log import enable_console_logging
-from .io.adapters import load_adapter, load_adapter_bank, save_adapter
-from .train.batch import Batch
 from .core.compute import ComputeConfig
-from .infer.engine import Engine, TokenEvent
-from .train.forward import init_model, logits
+from .core.log import enable_console_logging
+from .core.sharding import RULES, make_mesh, shard
+from .infer.engine import Engine, EngineConfig, TokenEvent
 from .infer.generation import Generation, generate, generate_text
-from .layers.lora import adapter_slot, apply_lora, merge_lora, select_adapters, set_adapter_slot
+from .infer.sampling import SamplingParams
+from .infer.text import Tokenizer, apply_chat_template, load_tokenizer
+from .io.adapters import load_adapter, load_adapter_bank, save_adapter
 from .io.loading import load
+from .io.saving import save
+from .layers.lora import adapter_slot, apply_lora, merge_lora, select_adapters, set_adapter_slot
+from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, config_from_hf
+from .train.batch import Batch
+from .train.forward import init_model, logits
 from .train.loss import token_logprobs, weighted_cross_entropy
 from .train.policy import PolicyLoss, policy_loss
-from .models import CausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, config_from_hf
-from .infer.sampling import SamplingParams
-from .io.saving import save
-from .core.sharding import RULES, make_mesh, shard
-from .infer.text import Tokenizer, apply_chat_template, load_tokenizer
 from .train.training import OptimizerConfig, TrainConfig, TrainState, init_train_state, train_step
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "CausalLM",
     "ComputeConfig",
     "Engine",
+    "EngineConfig",
     "Generation",
     "LlamaConfig",
     "OptimizerConfig",

@@ -10,11 +10,10 @@ import tokenizers
 from transformers import AutoTokenizer
 
 import eqx_tx
-from eqx_tx.train.data import Examples, tokenize
 from eqx_tx.infer.generation import generate
-from eqx_tx.io.saving import tokenizer_files
-from eqx_tx.train.data import TINY_TOKENIZER
 from eqx_tx.infer.text import sampling_defaults
+from eqx_tx.io.saving import tokenizer_files
+from eqx_tx.train.data import TINY_TOKENIZER, Examples, tokenize
 from tests.tools_util import load_tool
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import eqx_tx
-from eqx_tx.infer.steps import paged_decode_step
 from eqx_tx.infer.config import EngineConfig
 from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.infer.steps import paged_decode_step
 from tests.lora_util import perturbed_adapters
 
 

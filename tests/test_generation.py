@@ -5,17 +5,16 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 import pytest
 import torch
 
 import eqx_tx
+from eqx_tx.cache.allocate import new_cache
+from eqx_tx.core.hlo import materialized
 from eqx_tx.infer import generation
 from eqx_tx.infer.generation import DecodeState, decode, generate, prefill
-from eqx_tx.core.hlo import materialized
-from eqx_tx.cache.allocate import new_cache
-from eqx_tx.io.loading import abstract_model
 from eqx_tx.infer.sampling import SamplerArrays, SamplingParams, sample_token
+from eqx_tx.io.loading import abstract_model
 from tests.hf_utils import hf_model
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43], [38, 32, 79, 50, 28]]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import eqx_tx
+from eqx_tx.rl import arithmetic_facts, exact_match
 from eqx_tx.train.policy import PolicyLoss
 from eqx_tx.train.training import OptimizerConfig
-from eqx_tx.rl import arithmetic_facts, exact_match
 from tests.tools_util import load_tool, tool_args
 
 

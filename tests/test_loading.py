@@ -2,8 +2,8 @@
 
 import json
 import os
-import re
 import pickle
+import re
 import shutil
 
 import jax

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.train.forward import logits_jit, lengths_from_mask
 from eqx_tx.io.hf_params import hf_tensors
+from eqx_tx.train.forward import lengths_from_mask, logits_jit
 from eqx_tx.train.loss import chunked_logprobs, chunked_scores, token_logprobs, weighted_cross_entropy
 from tests.hf_utils import hf_model, ragged_batch
 

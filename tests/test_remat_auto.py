@@ -7,12 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import eqx_tx
 from eqx_tx.layers.lora import apply_lora
 from eqx_tx.train.remat_auto import choose_remat
-from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, resolve_remat, train_step, train_step_jit
+from eqx_tx.train.training import (
+    Batch,
+    OptimizerConfig,
+    TrainConfig,
+    init_train_state,
+    resolve_remat,
+    train_step,
+    train_step_jit,
+)
 
 OPT = OptimizerConfig(learning_rate=1e-2, total_steps=4, eps=1e-4)
 
@@ -158,9 +167,9 @@ def test_keeping_the_attention_saves_the_splash_forward(monkeypatch, tmp_path, a
     does not rerun the forward kernel: fewer FLOPs than `full` by exactly that kernel
     in every layer, and `auto` ranks it first of the two. The blockwise kernel's
     residuals are not kept: the two tie, and `full` (less memory) stays first."""
+    from eqx_tx.core.flops import traced_flops
     from eqx_tx.kernels import dispatch
     from eqx_tx.train.remat_auto import remat_candidates
-    from eqx_tx.core.flops import traced_flops
     from tests.hf_utils import make_hf_checkpoint
 
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")  # as compiling for a TPU

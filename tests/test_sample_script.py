@@ -4,8 +4,8 @@ import jax
 import pytest
 
 import eqx_tx
-from eqx_tx.train.data import TINY_TOKENIZER
 from eqx_tx.models.presets import preset
+from eqx_tx.train.data import TINY_TOKENIZER
 from tests.tools_util import load_tool
 
 

@@ -5,8 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_tx.infer.sampling import (SamplerArrays, SamplingParams, candidate_window, filter_logits, filter_logits_batch,
-                             sample_batch, sample_token, token_gumbel)
+from eqx_tx.infer.sampling import (
+    SamplerArrays,
+    SamplingParams,
+    candidate_window,
+    filter_logits,
+    filter_logits_batch,
+    sample_batch,
+    sample_token,
+    token_gumbel,
+)
 
 V = 1000
 

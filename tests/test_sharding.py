@@ -95,8 +95,8 @@ def test_rules_refuse_unknown_logical_names():
 
 
 def test_stacked_axes_come_from_the_container_declaration():
-    from eqx_tx.io.loading import abstract_model
     from eqx_tx.core.sharding import logical_axes
+    from eqx_tx.io.loading import abstract_model
 
     config = eqx_tx.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,

@@ -11,9 +11,9 @@ import torch
 
 import eqx_tx
 from eqx_tx.io.adapters import load_adapter, save_adapter
-from eqx_tx.train.checkpoint import restore_checkpoint, save_checkpoint
 from eqx_tx.io.hf_params import hf_tensors
 from eqx_tx.layers.lora import LoRALinear, apply_lora, lora_filter, merge_lora
+from eqx_tx.train.checkpoint import restore_checkpoint, save_checkpoint
 from eqx_tx.train.training import Batch, OptimizerConfig, TrainConfig, init_train_state, train_step
 from tests.hf_utils import hf_model, ragged_batch
 
@@ -189,7 +189,8 @@ def test_micro_batches_give_the_same_update(checkpoints):
 
 
 def test_tp_train_step_equals_single_device(checkpoints):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     path = checkpoints["gqa4_bias"]
     batch = _batches(128, 1, seed=30)[0]
@@ -220,7 +221,8 @@ def test_offloaded_optimizer_state_gives_the_same_steps(checkpoints, tmp_path):
     """`offload_optimizer`: the AdamW moments live in pinned host memory between
     steps (sharded like their parameters on a tp mesh), the updates are unchanged,
     and a checkpoint restores them to host memory."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     path = checkpoints["gqa4_bias"]
     mesh = eqx_tx.make_mesh(dp=2, tp=2, devices=jax.devices()[:4])

@@ -112,8 +112,8 @@ def load_reward(spec: str):
 
 def load_prompts(spec: str) -> tuple[list[dict], list[dict]]:
     """Training examples and the evaluation set."""
-    from eqx_tx.train.data import read_jsonl
     from eqx_tx.rl import arithmetic_facts
+    from eqx_tx.train.data import read_jsonl
 
     if spec == "arithmetic":
         return arithmetic_facts(), arithmetic_facts()
@@ -186,11 +186,11 @@ def main(args: Args) -> None:
 
     import eqx_tx
     from eqx_tx.core.runlog import MetricsLog, write_line_chart
-    from eqx_tx.train.checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint
-    from eqx_tx.io.loading import resolve_source
-    from eqx_tx.rl import group_advantages, rollout_batch
-    from eqx_tx.io.saving import tokenizer_files
     from eqx_tx.infer.text import Tokenizer
+    from eqx_tx.io.loading import resolve_source
+    from eqx_tx.io.saving import tokenizer_files
+    from eqx_tx.rl import group_advantages, rollout_batch
+    from eqx_tx.train.checkpoint import has_checkpoint, restore_checkpoint, save_checkpoint
     from eqx_tx.train.training import TrainConfig
 
     eqx_tx.enable_console_logging()

@@ -18,9 +18,9 @@ from typing import Annotated, Literal
 
 import tyro
 
+from eqx_tx.cli import run_tool
 from eqx_tx.core.compute import AttentionImpl
 from eqx_tx.core.distributed import DistributedArgs
-from eqx_tx.cli import run_tool
 
 DEFAULT_MODEL = "runs/tiny/final"
 
@@ -128,8 +128,8 @@ def main(args: Args) -> None:
     from eqx_tx.infer.steps import check_requests
 
     eqx_tx.enable_console_logging()
-    from eqx_tx.io.loading import resolve_source
     from eqx_tx.infer.sampling import SamplingParams
+    from eqx_tx.io.loading import resolve_source
 
     prompts = read_prompts(args)
     directory = resolve_source(args.model)

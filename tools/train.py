@@ -19,10 +19,10 @@ from typing import Annotated, Literal
 
 import tyro
 
-from eqx_tx.train.data import LongSequences, Packing
-from eqx_tx.core.distributed import DistributedArgs
 from eqx_tx.cli import StopSignals, check_output_dir, check_resume, run_tool
+from eqx_tx.core.distributed import DistributedArgs
 from eqx_tx.layers.lora import ALL_TARGETS
+from eqx_tx.train.data import LongSequences, Packing
 from eqx_tx.train.training import OptimizerConfig, TrainConfig
 
 # The tiny preset's run: 150 steps at 3e-3 learn the shipped stories in about a minute.
@@ -103,10 +103,10 @@ def _source(args: Args):
     """The model's config, its checkpoint directory (None for a preset) and its
     `tokenizer.json` (None if there is none)."""
     import eqx_tx
-    from eqx_tx.train.data import TINY_TOKENIZER
     from eqx_tx.io.loading import resolve_source
     from eqx_tx.models.config import read_hf_config
     from eqx_tx.models.presets import PRESETS, preset
+    from eqx_tx.train.data import TINY_TOKENIZER
 
     if args.model in PRESETS:
         return preset(args.model), None, TINY_TOKENIZER if args.model == "tiny" else None
@@ -120,8 +120,8 @@ def _source(args: Args):
 
 
 def _examples(args: Args, config, tokenizer, main_process: bool):
-    from eqx_tx.train.data import TINY_STORIES, Examples, max_token_id, read_jsonl, tokenize
     from eqx_tx.rl import arithmetic_facts
+    from eqx_tx.train.data import TINY_STORIES, Examples, max_token_id, read_jsonl, tokenize
 
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     if args.data == "arithmetic":  # a warm start for tools/grpo.py: each fact written out, many times over
@@ -275,11 +275,11 @@ def main(args: Args) -> None:
 
     initialize(args.distributed)  # before anything touches a device
     import jax
-    from eqx_tx.infer.text import Tokenizer
 
     import eqx_tx
-    from eqx_tx.train.checkpoint import has_checkpoint, restore_checkpoint
     from eqx_tx.core.distributed import is_main_process
+    from eqx_tx.infer.text import Tokenizer
+    from eqx_tx.train.checkpoint import has_checkpoint, restore_checkpoint
 
     eqx_tx.enable_console_logging()
     main_process = is_main_process()

@@ -15,24 +15,25 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from ..cache.allocate import new_cache, new_paged_cache
+from ..cache.shared_prefix import SharedPrefixCache
+from ..core.compute import ComputeConfig
+from ..core.memory_figures import MemoryFigures
+from ..core.sharding import abstract_with_shardings, logical_to_spec, make_mesh
+from ..core.util import ceil_div, round_up
+from ..infer.config import EngineConfig
+from ..infer.generation import DecodeState, decode, prefill
+from ..infer.sampling import SamplerArrays, SamplingParams
+from ..infer.steps import paged_decode_step, paged_prefill_chunk
+from ..io.loading import abstract_model
+from ..layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
+from ..models.config import TransformerConfig
 from ..train.bank_optimizer import init_bank_state
 from ..train.batch import Batch
-from ..core.compute import ComputeConfig
-from ..infer.config import EngineConfig
-from ..infer.steps import paged_decode_step, paged_prefill_chunk
-from ..infer.generation import DecodeState, decode, prefill
-from ..core.memory_figures import MemoryFigures
-from ..cache.shared_prefix import SharedPrefixCache
-from ..layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
-from ..io.loading import abstract_model
-from ..models.config import TransformerConfig
-from ..cache.allocate import new_cache, new_paged_cache
-from ..infer.sampling import SamplerArrays, SamplingParams
-from ..core.sharding import abstract_with_shardings, logical_to_spec, make_mesh
 from ..train.training import TrainConfig, make_optimizer, resolve_remat, train_step_jit
-from ..core.util import ceil_div, round_up
 
 # Compile-only GPU descriptions shipped with the package (`target_mesh`).
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")

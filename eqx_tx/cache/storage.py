@@ -15,7 +15,6 @@ from jaxtyping import Array
 from ..kernels.quantized import Quantized
 
 
-
 class KVStorage(eqx.Module):
     """Keys and values, and their float32 scales when stored as int8 (else `None`)."""
 

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .log import log_once
 from .tree import stacking_along

@@ -37,6 +37,7 @@ from .sampling import SamplerArrays, SamplingParams, sample_batch
 from .steps import STOP_REASONS, Generation, check_requests, decode_one, last_token_logits
 from .text import Message, Tokenizer
 
+
 class DecodeState(eqx.Module):
     """Everything the decode loop carries between steps."""
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+
 def _page_keys(tokens: Sequence[int], page_size: int, pages: int, namespace: int) -> list[bytes]:
     keys, key = [], namespace.to_bytes(8, "little", signed=True)
     for j in range(pages):

@@ -13,10 +13,10 @@ from safetensors.numpy import save_file
 
 from ..core.distributed import to_host
 from ..core.fileio import atomic_directory, barrier, open_safetensors
-from .hf_params import hf_tensors
-from ..layers.lora import adapter_slot, apply_lora, has_bank, lora_settings, set_adapter_slot, without_adapters
-from .loading import read_arrays
 from ..core.sharding import RULES, mesh_of, tree_shardings
+from ..layers.lora import adapter_slot, apply_lora, has_bank, lora_settings, set_adapter_slot, without_adapters
+from .hf_params import hf_tensors
+from .loading import read_arrays
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

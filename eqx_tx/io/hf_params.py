@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from ..layers.linear import Linear
 from ..core.sharding import HasAxes
 from ..core.tree import path_names, stacking_along
+from ..layers.linear import Linear
+
 
 @dataclasses.dataclass(frozen=True)
 class HFTensor:

@@ -21,10 +21,10 @@ from tqdm.auto import tqdm
 
 from ..core.distributed import host_device
 from ..core.fileio import open_safetensors
-from .hf_params import hf_tensors
+from ..core.sharding import RULES, MeshAxes, tree_shardings
 from ..models import CausalLM, config_from_hf
 from ..models.config import read_hf_config
-from ..core.sharding import RULES, MeshAxes, tree_shardings
+from .hf_params import hf_tensors
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Buffers some exporters write that carry no parameters.

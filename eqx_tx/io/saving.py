@@ -13,9 +13,9 @@ from safetensors.numpy import save_file
 
 from ..core.distributed import to_host
 from ..core.fileio import atomic_directory, barrier
-from .hf_params import hf_tensors
 from ..layers.lora import has_lora
 from ..models import CausalLM
+from .hf_params import hf_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",

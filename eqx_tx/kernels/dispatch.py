@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..core.log import log_once
 from ..core.compute import AttentionImpl, ComputeConfig
+from ..core.log import log_once
 from ..core.sharding import AnyMesh, current_mesh, mesh_axis_size
 from .quantized import Quantized
 from .sdpa import attend

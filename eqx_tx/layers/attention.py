@@ -7,10 +7,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..cache.base import AbstractCache
+from ..core.sharding import constrain
 from ..kernels.dispatch import select_attention
 from ..kernels.ring import ring_attention
 from ..kernels.sdpa import attend
-from ..core.sharding import constrain
 from .inputs import LayerInputs
 from .linear import Linear
 from .norm import RMSNorm

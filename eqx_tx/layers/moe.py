@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from ..kernels.grouped_ffn import grouped_ffn
 from ..core.sharding import AnyMesh, logical_to_spec, mesh_axis_size
 from ..core.tree import stacked
+from ..kernels.grouped_ffn import grouped_ffn
 from .linear import Linear
 from .mlp import GatedMLP
 

@@ -4,6 +4,7 @@ from ..layers.rope import RopeConfig
 from . import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 from .config import TransformerConfig
 
+
 def _llama3_rope(factor: float) -> RopeConfig:
     return RopeConfig(theta=500_000.0, rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192)

@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..core.compute import ComputeConfig
 from ..cache.base import AbstractCache
+from ..core.compute import ComputeConfig
+from ..core.sharding import constrain, current_mesh
+from ..core.tree import stacked
 from ..kernels.mask import AttentionMask
 from ..layers.attention import Attention
 from ..layers.block import DecoderBlock, run_stack
@@ -21,8 +23,6 @@ from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE, RouterStats
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_cos_sin
-from ..core.sharding import constrain, current_mesh
-from ..core.tree import stacked
 from .config import TransformerConfig
 
 

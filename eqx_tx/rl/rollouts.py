@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..train.batch import Batch
-from ..infer.generation import Generation
 from ..core.util import round_up
+from ..infer.generation import Generation
+from ..train.batch import Batch
 
 
 def group_advantages(rewards, *, scale: bool = True, eps: float = 1e-6) -> np.ndarray:

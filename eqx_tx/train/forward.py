@@ -13,11 +13,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..core.compute import ComputeConfig
+from ..core.sharding import RULES, mesh_context, tree_shardings
+from ..core.util import concrete_value
 from ..kernels.mask import AttentionMask
 from ..models import CausalLM
 from ..models.config import TransformerConfig
-from ..core.sharding import RULES, mesh_context, tree_shardings
-from ..core.util import concrete_value
 
 
 def lengths_from_mask(attention_mask, seq_len: int, batch: int) -> Int[Array, " batch"]:

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
-from .forward import lengths_and_segments, positions_for, segment_positions
-from ..kernels.ring import to_context_layout
-from ..kernels.mask import AttentionMask
-from ..layers.moe import RouterStats
-from ..models import CausalLM
 from ..core.sharding import constrain, context_parallel_size
 from ..core.util import ceil_div
+from ..kernels.mask import AttentionMask
+from ..kernels.ring import to_context_layout
+from ..layers.moe import RouterStats
+from ..models import CausalLM
+from .forward import lengths_and_segments, positions_for, segment_positions
 
 DEFAULT_CHUNK_SIZE = 8192
 

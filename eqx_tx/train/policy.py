@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .batch import Batch
 from ..core.compute import ComputeConfig
-from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
-from ..models import CausalLM
 from ..core.util import concrete_value
+from ..models import CausalLM
+from .batch import Batch
+from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 
 PolicyLossKind = Literal["ppo", "is", "cispo", "gspo"]
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLossKind)

@@ -15,9 +15,9 @@ from typing import Any
 
 import jax
 
-from ..core.log import log_once
 from ..core.compute import ComputeConfig
 from ..core.flops import traced_flops
+from ..core.log import log_once
 from ..core.memory_figures import MemoryFigures
 
 DEFAULT_MEMORY_FRACTION = 0.75

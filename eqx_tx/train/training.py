@@ -18,19 +18,19 @@ import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from .bank_optimizer import adapters_present, init_bank_state, update_bank
-from .batch import Batch
 from ..core.compute import ComputeConfig
-from ..core.log import log_once
 from ..core.distributed import batch_sharding
-from .forward import check_segment_ids
+from ..core.log import log_once
+from ..core.sharding import mesh_context, mesh_of
 from ..layers.linear import Embedding, Linear
 from ..layers.lora import check_adapter_ids, has_bank, lora_settings, select_adapters, trainable_filter
-from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from ..models import CausalLM
+from .bank_optimizer import adapters_present, init_bank_state, update_bank
+from .batch import Batch
+from .forward import check_segment_ids
+from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from .policy import PolicyLoss, nonzero_count, policy_objective, token_coefficients
 from .remat_auto import choose_remat, device_budget
-from ..core.sharding import mesh_context, mesh_of
 from .token_budget import pack_by_tokens
 
 

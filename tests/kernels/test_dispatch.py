@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from eqx_tx.core.compute import ComputeConfig
-from eqx_tx.kernels.dispatch import AUTO_BLOCKWISE_MIN_SCORES, select_attention
 from eqx_tx.core.sharding import make_mesh
+from eqx_tx.kernels.dispatch import AUTO_BLOCKWISE_MIN_SCORES, select_attention
 
 Q = (2, 16, 4, 8)  # batch, q_seq, heads, head_dim
 K = (2, 16, 2, 8)

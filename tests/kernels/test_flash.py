@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_tx.kernels.flash import flash_attention
 from eqx_tx.kernels.dispatch import dot_product_attention
+from eqx_tx.kernels.flash import flash_attention
 from eqx_tx.kernels.sdpa import xla_attention
 
 K = 16

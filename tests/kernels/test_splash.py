@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import eqx_tx
 from eqx_tx.kernels import dispatch
@@ -162,9 +163,9 @@ def test_prefill_from_position_0_runs_splash_over_its_own_keys(monkeypatch, tmp_
     two xla chunks, whose second chunk reads the first's keys from the cache (at every
     prompt slot; splash lets padding queries see padding keys, and decode overwrites
     those slots before it reads them)."""
+    from eqx_tx.cache.allocate import new_cache
     from eqx_tx.infer.generation import prefill
     from eqx_tx.kernels import sdpa
-    from eqx_tx.cache.allocate import new_cache
 
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)

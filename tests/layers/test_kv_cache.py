@@ -7,10 +7,10 @@ import pytest
 from tokenizers import Tokenizer
 
 import eqx_tx
-from eqx_tx.infer.generation import generate, teacher_forced_logits
-from eqx_tx.kernels.quantized import Quantized
 from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_sampling, target_mesh
+from eqx_tx.infer.generation import generate, teacher_forced_logits
 from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.kernels.quantized import Quantized
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43], [38, 32, 79, 50, 28]]
 

@@ -6,8 +6,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eqx_tx.layers.linear import Linear
 from eqx_tx.core.sharding import make_mesh
+from eqx_tx.layers.linear import Linear
 
 
 def test_projection_keeps_batch_and_sequence_sharded():

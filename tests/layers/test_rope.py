@@ -12,8 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import eqx_tx
 from eqx_tx.infer.generation import generate
-from eqx_tx.layers.rope import RopeConfig
 from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.layers.rope import RopeConfig
 from tests.hf_utils import hf_logits, hf_model, make_hf_checkpoint
 
 HEAD_DIM = 16

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import eqx_tx
-from eqx_tx.train.forward import positions_for
 from eqx_tx.kernels.mask import AttentionMask
 from eqx_tx.layers.lora import apply_lora
+from eqx_tx.train.forward import positions_for
 from tests.hf_utils import hf_model, ragged_batch
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import eqx_tx
-from eqx_tx.train.forward import logits_jit, lengths_from_mask
 from eqx_tx.io.hf_params import hf_tensors
+from eqx_tx.train.forward import lengths_from_mask, logits_jit
 from eqx_tx.train.remat_auto import remat_candidates
 from tests.hf_utils import hf_logits, hf_model, per_expert, ragged_batch
 
