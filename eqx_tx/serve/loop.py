@@ -120,7 +120,9 @@ class EngineLoop:
 
     def _send(self, message: Message) -> None:
         self._inbox.put(message)
-        if self._stopped or not self.running:  # (a message that raced the thread's end is failed here)
+        if (self._stopped or not self.running) and threading.current_thread() is not self._thread:
+            # The thread is ending (or ended): once it has, fail what it left (this message too).
+            self._thread.join()
             self._fail_pending()
 
     def _stopped_error(self) -> EngineStopped:
@@ -142,7 +144,7 @@ class EngineLoop:
             try:
                 request_id = self.engine.add(message.prompt, message.params, sample=message.sample,
                                              adapter=message.adapter)
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - the request's own answer (ValueError: bad input)
                 message.future.set_exception(e)
                 return
             self._listeners[request_id] = message.listener
