@@ -298,14 +298,17 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                                 f"the server's --max-top-logprobs), got {k}", param)
         return k
 
-    def report(ident: str, endpoint: str, model: str, job: _Job, status: int = 200) -> None:
+    def report(ident: str, endpoint: str, model: str, job: _Job, status: int = 200, *, count: bool = True) -> None:
+        """Log the answered request in one line and count it (`count=False`: the error
+        handler counts it)."""
         now = time.perf_counter()
         usage = job.usage()
         ttft = None if job.first_token is None else job.first_token - job.arrived
         decode_time = now - (job.first_token or now)
         rate = (usage["completion_tokens"] - len(job.choices)) / decode_time if decode_time > 0 else 0.0
-        counters.finished(endpoint, status, prompt_tokens=usage["prompt_tokens"],
-                          generated=usage["completion_tokens"], ttft=ttft, latency=now - job.arrived)
+        if count:
+            counters.finished(endpoint, status, prompt_tokens=usage["prompt_tokens"],
+                              generated=usage["completion_tokens"], ttft=ttft, latency=now - job.arrived)
         reasons = ",".join(sorted({c.finish_reason or "cancelled" for c in job.choices}))
         logger.info(f"{ident} {model}: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} output tokens "
                     f"in {now - job.arrived:.2f} s (first token {0.0 if ttft is None else ttft:.3f} s, "
@@ -319,7 +322,7 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                 while not job.done:
                     await job.next()
             except ApiError as e:
-                report(ident, endpoint, model, job, e.status)
+                report(ident, endpoint, model, job, e.status, count=False)
                 raise
             finally:
                 job.cancel()
