@@ -314,8 +314,12 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                     f"in {now - job.arrived:.2f} s (first token {0.0 if ttft is None else ttft:.3f} s, "
                     f"{rate:.1f} tokens/s after it), finish {reasons}, status {status}")
 
-    async def run(job: _Job, ident: str, endpoint: str, model: str, chunk: Callable[[_Job, int, bool], dict],
-                  final: Callable[[_Job], dict], usage_chunk: Callable[[_Job], dict] | None, stream: bool):
+    async def run(job: _Job, ident: str, endpoint: str, body: _Sampled, chunk: Callable[[_Job, int, bool], dict],
+                  final: Callable[[_Job], dict], chunk_object: str):
+        """Answer `job`: `final(job)`, or streamed `chunk`s (and with
+        `stream_options.include_usage`, a last chunk of `chunk_object` with the usage)."""
+        model, stream = body.model, body.stream
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         await job.start()
         if not stream:
             try:
@@ -342,8 +346,9 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                         yield _sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
                         return
                     yield _sse(chunk(job, i, False))
-                if usage_chunk is not None:
-                    yield _sse(usage_chunk(job))
+                if include_usage:
+                    yield _sse({"id": ident, "object": chunk_object, "created": int(time.time()), "model": model,
+                                "choices": [], "usage": job.usage()})
                 yield _sse("[DONE]")
             finally:  # also when the client went away mid-stream: free its pages
                 job.cancel()
@@ -398,13 +403,7 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
             return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
                     "choices": [choice(job, i, False) for i in range(len(job.choices))], "usage": job.usage()}
 
-        def usage_chunk(job: _Job) -> dict:
-            return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [], "usage": job.usage()}
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await run(job, ident, "/v1/completions", body.model, chunk, final,
-                         usage_chunk if include_usage else None, body.stream)
+        return await run(job, ident, "/v1/completions", body, chunk, final, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
@@ -449,12 +448,6 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
             return {"id": ident, "object": "chat.completion", "created": created, "model": body.model,
                     "choices": choices, "usage": job.usage()}
 
-        def usage_chunk(job: _Job) -> dict:
-            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [], "usage": job.usage()}
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await run(job, ident, "/v1/chat/completions", body.model, chunk, final,
-                         usage_chunk if include_usage else None, body.stream)
+        return await run(job, ident, "/v1/chat/completions", body, chunk, final, "chat.completion.chunk")
 
     return app
