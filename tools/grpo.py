@@ -26,7 +26,6 @@ curve to OUTPUT_DIR/reward.svg.
 
 import dataclasses
 import importlib
-import json
 import os
 import sys
 import time
