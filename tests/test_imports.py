@@ -33,13 +33,14 @@ SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
     {
         "io": _names("eqx_tx.io", "hf_params", "loading", "saving", "adapters"),
         "train": _names("eqx_tx.train", "batch", "data", "token_budget", "forward", "loss", "policy",
-                        "bank_optimizer", "remat_auto", "training", "checkpoint"),
+                        "bank_optimizer", "remat_auto", "training", "checkpoint", "objectives", "bank_training"),
         "infer": _names("eqx_tx.infer", "chat", "sampling", "text", "page_pool", "config", "steps", "scheduler",
-                        "runner", "generation", "engine"),
+                        "runner", "generation", "engine", "prompt_scores"),
     },
     {
         "rl": _names("eqx_tx.rl", "rollouts"),
-        "serve": _names("eqx_tx.serve", "loop", "metrics", "openai"),
+        "serve": _names("eqx_tx.serve", "loop", "metrics", "openai", "auth", "tinker_config", "tinker_wire",
+                        "tinker_store", "tinker_service", "tinker_api"),
         "analysis": _names("eqx_tx.analysis", "host_memory", "memory"),
     },
     # the tools' entry point

@@ -15,6 +15,15 @@ on stderr), so no request waits for a compile. `GET /health` and `GET /metrics`
 also serves PEFT LoRA adapters of the model, each as model NAME; requests for the
 base and for any adapter are batched together (one adapter bank, the base in a
 slot of zeros).
+
+The same process serves the **Tinker API** under `/api/v1` (unless `--no-tinker-api`):
+the official `tinker` SDK and `tinker-cookbook` recipes run unchanged against it,
+
+    TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-local python my_recipe.py
+
+training LoRA runs on the slots of one adapter bank over the served model and sampling
+through the same engine (see README, "Tinker API"). `--api-key` (or the environment
+variable EQX_TX_API_KEY) makes both APIs refuse requests without it.
 """
 
 import dataclasses
@@ -28,6 +37,7 @@ import tyro
 from eqx_tx.cli import run_tool
 from eqx_tx.core.compute import AttentionImpl
 from eqx_tx.infer.config import EngineConfig
+from eqx_tx.serve.tinker_config import TinkerConfig
 
 
 @dataclasses.dataclass
@@ -53,7 +63,15 @@ class Args:
     warmup: bool = True
     """Compile every step shape before listening (--no-warmup: compile on the first requests instead)."""
     lora: tuple[str, ...] = ()
-    """NAME=DIRECTORY: serve this PEFT LoRA adapter (same targets, rank and alpha for all) as model NAME."""
+    """NAME=DIRECTORY: serve this PEFT LoRA adapter (same targets, rank and alpha for all) as model NAME
+    (the OpenAI API only: it turns the Tinker API off)."""
+    tinker_api: bool = True
+    """Serve the Tinker API under /api/v1 (training and sampling LoRA runs over the model)."""
+    tinker: Annotated[TinkerConfig, tyro.conf.OmitArgPrefixes] = TinkerConfig()
+    """The Tinker API: training slots, ranks, sampler slots, where checkpoints are kept."""
+    api_key: str | None = None
+    """Refuse requests (401) that do not carry this key (X-API-Key, or Authorization: Bearer); default: the
+    environment variable EQX_TX_API_KEY if set, else no key."""
 
 
 def build(args: Args):
@@ -61,6 +79,7 @@ def build(args: Args):
     import jax.numpy as jnp
 
     import eqx_tx
+    from eqx_tx.core.log import logger
     from eqx_tx.io.loading import resolve_source
     from eqx_tx.serve.loop import EngineLoop
     from eqx_tx.serve.openai import build_app
@@ -71,6 +90,14 @@ def build(args: Args):
     model = eqx_tx.load(directory, dtype=dtypes[args.dtype], mesh=mesh, progress=False)
     name = args.model_name or served_name(args.model)
     adapters = None
+    tinker = args.tinker_api and not args.lora
+    if args.tinker_api and args.lora:
+        logger.warning("--lora given: the Tinker API is off (its adapter bank is the engine's)")
+    if tinker:
+        from eqx_tx.serve.tinker_service import init_banks
+
+        trainee, model = init_banks(model, args.tinker)
+        adapters = {name: 0}
     if args.lora:
         names, paths = zip(*(_named_adapter(spec) for spec in args.lora))
         if len(set(names)) < len(names) or name in names:
@@ -87,7 +114,24 @@ def build(args: Args):
 
         engine.warmup(progress)
     loop = EngineLoop(engine)
-    return loop, build_app(loop, eqx_tx.load_tokenizer(directory), name, adapters)
+    tokenizer = eqx_tx.load_tokenizer(directory)
+    app = build_app(loop, tokenizer, name, adapters)
+    if tinker:
+        from eqx_tx.serve.tinker_api import add_tinker_routes
+        from eqx_tx.serve.tinker_service import TinkerService
+        from eqx_tx.train.bank_training import BankTrainer
+
+        compute = eqx_tx.ComputeConfig(attention=args.attention)
+        trainer = BankTrainer(trainee, compute=compute, tokens_per_call=args.tinker.tokens_per_call)
+        app.state.tinker = TinkerService(trainer, loop, name=name, tokenizer_id=os.path.abspath(directory),
+                                         tokenizer=tokenizer, config=args.tinker, compute=compute)
+        add_tinker_routes(app, app.state.tinker)
+    key = args.api_key if args.api_key is not None else os.environ.get("EQX_TX_API_KEY")
+    if key:
+        from eqx_tx.serve.auth import require_api_key
+
+        require_api_key(app, key)
+    return loop, app
 
 
 def served_name(model: str) -> str:
@@ -117,11 +161,13 @@ def main(args: Args) -> None:
 
     eqx_tx.enable_console_logging()
     loop, app = build(args)
-    print(f"eqx_tx serving on http://{args.host}:{args.port} (/v1: OpenAI API, /health, /metrics)",
-          file=sys.stderr)
+    apis = "/v1: OpenAI API" + (", /api/v1: Tinker API" if hasattr(app.state, "tinker") else "")
+    print(f"eqx_tx serving on http://{args.host}:{args.port} ({apis}, /health, /metrics)", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
+        if hasattr(app.state, "tinker"):
+            app.state.tinker.stop()
         loop.stop()
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..core.compute import ComputeConfig
 from ..core.util import ceil_div
-from ..layers.lora import check_adapter_ids, has_bank
+from ..layers.lora import check_adapter_ids, has_bank, set_adapter_slot
 from ..models import CausalLM
 from .config import EngineConfig
 from .runner import Runner
@@ -99,6 +99,18 @@ class Engine:
         if signature(model) != signature(self.model):
             raise ValueError("set_model needs a model of the engine's structure and shapes (same config and adapters)")
         self.model = self.runner.model = model
+        self.scheduler.pool.forget()
+
+    def set_adapter(self, slot: int, adapter_model) -> None:
+        """Sample adapter `slot` of the bank from the plain adapters of `adapter_model`
+        (`set_adapter_slot`: same base, targets, rank and alpha) from now on. No waiting
+        or running request may use the slot (its keys/values came from the old weights);
+        the other slots' requests run on. The prefix cache is emptied."""
+        if not self._bank:
+            raise ValueError("set_adapter needs a model with a LoRA adapter bank")
+        if self.scheduler.uses_adapter(slot):
+            raise ValueError(f"set_adapter({slot}) while requests of adapter {slot} are waiting or running")
+        self.model = self.runner.model = set_adapter_slot(self.model, slot, adapter_model)
         self.scheduler.pool.forget()
 
     # -- requests ----------------------------------------------------------------------------

@@ -155,6 +155,10 @@ class Scheduler:
         """Whether any request is waiting or running."""
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
+    def uses_adapter(self, adapter: int) -> bool:
+        """Whether a waiting or running request runs with `adapter` (of a bank)."""
+        return any(r is not None and r.adapter == adapter for r in (*self.waiting, *self.slots))
+
     def cancel(self, request_id: int) -> None:
         """Drop a waiting or running request (its slot and pages freed) or a kept result."""
         self.finished.pop(request_id, None)

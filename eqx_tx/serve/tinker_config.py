@@ -1,0 +1,29 @@
+"""The Tinker API's settings (embedded by `tools/serve.py`: each field is a flag)."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TinkerConfig:
+    """The Tinker API's settings (`tools/serve.py` flags)."""
+
+    max_adapters: int = 4
+    """Training runs held at once: the slots of the training adapter bank (each with
+    its own AdamW state); creating one more is refused until a run is unloaded."""
+    max_lora_rank: int = 32
+    """The largest LoRA rank a run may ask for (the bank's rank)."""
+    lora_alpha: float = 32.0
+    """LoRA alpha: adapters compute `alpha / max_lora_rank * B A x`."""
+    sampler_adapters: int = 4
+    """Sampler weights the engine holds at once besides the base model."""
+    state_dir: str = "runs/tinker"
+    """Where checkpoints and their SQLite index live (kept across restarts)."""
+    tokens_per_call: int = 16384
+    """About how many tokens one compiled training call scores (packed rows)."""
+
+    def __post_init__(self):
+        for name in ("max_adapters", "max_lora_rank", "sampler_adapters", "tokens_per_call"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha (--lora-alpha) must be > 0, got {self.lora_alpha}")
