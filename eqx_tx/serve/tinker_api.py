@@ -214,6 +214,14 @@ def add_tinker_routes(app: FastAPI, service: TinkerService) -> None:
         session_id = service.create_sampling_session(base_model=req.base_model, model_path=req.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": session_id}
 
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str):
+        key = service.sampling_sessions.get(sampler_id)
+        if key is None:
+            raise BadRequest(f"unknown sampling session {sampler_id}")
+        return {"sampler_id": sampler_id, "base_model": service.name,
+                "model_path": key if key.startswith("tinker://") else None}
+
     @app.post("/api/v1/asample")
     async def asample(request: Request):
         req = await body(request, t.SampleRequest)

@@ -163,7 +163,7 @@ class TinkerService:
         self.sampling_sessions: dict[str, str] = {}  # id -> source key
         self._snapshots: dict[str, Any] = {}  # source key -> plain adapter model (in memory)
         self._slots = [_Slot() for _ in range(config.sampler_adapters)]  # engine slots 1..K
-        self.max_seq_len = min(self.model_config.max_position_embeddings, loop.engine.max_seq_len)
+        self.max_seq_len = self.model_config.max_position_embeddings  # the longest datum that trains
 
     def stop(self) -> None:
         self.worker.stop()
