@@ -38,7 +38,8 @@ def _datums(seed: int, kind: str) -> list[Datum]:
     for n in (5, 17, 9, 30):
         t = rng.integers(0, CONFIG.vocab_size, n + 1)
         out.append(Datum(t[:-1], t[1:], rng.uniform(0, 1, n).astype(np.float32),
-                         rng.normal(-3, 0.5, n).astype(np.float32), rng.normal(0, 1, n).astype(np.float32)))
+                         rng.normal(-3, 0.5, n).astype(np.float32), rng.normal(0, 1, n).astype(np.float32),
+                         (rng.uniform(0, 1, n) < 0.7).astype(np.float32)))
     return out
 
 
@@ -54,18 +55,20 @@ def _reference(trainer: BankTrainer, slot: int, datums, kind: str):
         return jnp.asarray(np.stack([np.pad(getattr(d, field), (0, T - len(d.tokens))) for d in datums]))
 
     mask = jnp.asarray([[1] * len(d.tokens) + [0] * (T - len(d.tokens)) for d in datums])
+    rows = jnp.broadcast_to(jnp.arange(len(datums))[:, None], mask.shape)  # one datum per row
 
     def loss(p):
         lp = eqx_tx.token_logprobs(eqx.combine(p, rest), pad("tokens"), pad("targets"), attention_mask=mask)
         per = token_losses(kind, lp, mask.astype(jnp.float32), pad("weights"), pad("sampler_logprobs"),
-                           pad("advantages"), config)
+                           pad("advantages"), config, ratio_mask=pad("ratio_mask"), sequence_ids=rows,
+                           num_sequences=len(datums))
         return jnp.sum(per), lp
 
     (total, logps), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return float(total), [np.asarray(logps[i, :len(d.tokens)]) for i, d in enumerate(datums)], jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("kind", ["cross_entropy", "ppo"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "ppo", "gspo"])
 def test_gradients_equal_the_plain_adapters_and_other_slots_stay_zero(trainer, kind):
     datums = _datums(1, kind)
     trainer.clear_gradients(1)

@@ -127,9 +127,12 @@ def test_step_zero_equals_hugging_face_and_training_lowers_the_loss(client, hf):
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-def _formula(kind: str, logp, q, adv, config):
+def _formula(kind: str, logp, q, adv, config, marked=None):
     """The documented per-loss formulas (tinker-docs, Loss Functions), in numpy."""
     ratio = np.exp(logp - q)
+    if kind == "gspo":  # every token carries the sequence's ratio (its value)
+        ratio = np.full_like(logp, np.exp(np.mean((logp - q)[marked != 0])))
+        kind = "ppo"
     if kind == "importance_sampling":
         return -np.sum(ratio * adv)
     lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
@@ -145,24 +148,28 @@ def _formula(kind: str, logp, q, adv, config):
 @pytest.mark.parametrize("kind,config", [("importance_sampling", None), ("ppo", None),
                                          ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
                                          ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.1}),
-                                         ("dro", {"beta": 0.3})])
+                                         ("dro", {"beta": 0.3}), ("gspo", None),
+                                         ("gspo", {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01})])
 def test_each_loss_equals_its_formula_on_the_returned_logprobs(client, hf, kind, config):
     tc = client.create_lora_training_client(base_model="tiny", rank=2, seed=1).result()
     rng = np.random.default_rng(5)
     sequences = [_tokens(7, 30), _tokens(8, 12)]
     expected = [_hf_logprobs(hf, s) for s in sequences]
-    data, qs, advs = [], [], []
+    data, qs, advs, marks = [], [], [], []
     for s, e in zip(sequences, expected):
         q = (e + rng.normal(0, 0.3, len(e))).astype(np.float32)  # ratios on both sides of the clip range
         adv = rng.normal(0, 1, len(e)).astype(np.float32)
-        data.append(_datum(s, logprobs=q, advantages=adv))
+        marked = (np.arange(len(e)) >= 3).astype(np.float32)  # e.g. the sampled tokens after a prompt
+        extra = {"sequence_ratio_mask": marked} if kind == "gspo" else {}
+        data.append(_datum(s, logprobs=q, advantages=adv, **extra))
         qs.append(q)
         advs.append(adv)
+        marks.append(marked)
     result = tc.forward_backward(data, kind, loss_fn_config=config).result()
     logps = _logprobs(result)
     for got, want in zip(logps, expected):
         np.testing.assert_allclose(got, want, atol=2e-4)
-    want = sum(_formula(kind, lp, q, a, config or {}) for lp, q, a in zip(logps, qs, advs))
+    want = sum(_formula(kind, lp, q, a, config or {}, m) for lp, q, a, m in zip(logps, qs, advs, marks))
     assert result.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     after = tc.forward(data, kind, loss_fn_config=config).result()

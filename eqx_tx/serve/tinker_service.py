@@ -270,8 +270,10 @@ class TinkerService:
             out.append(Datum(tokens=tokens.astype(np.int32), targets=inputs["target_tokens"].astype(np.int32),
                              weights=inputs.get("weights", np.ones(n, np.float32)).astype(np.float32),
                              sampler_logprobs=inputs.get("logprobs", zeros).astype(np.float32),
-                             advantages=inputs.get("advantages", zeros).astype(np.float32)))
-            for name in ("weights", "logprobs", "advantages"):
+                             advantages=inputs.get("advantages", zeros).astype(np.float32),
+                             ratio_mask=None if "sequence_ratio_mask" not in inputs else
+                             inputs["sequence_ratio_mask"].astype(np.float32)))
+            for name in ("weights", "logprobs", "advantages", "sequence_ratio_mask"):
                 if name in inputs and not np.all(np.isfinite(inputs[name])):
                     raise BadRequest(f"data[{i}]: loss_fn_inputs[{name!r}] holds a non-finite value")
         return out
@@ -295,9 +297,11 @@ class TinkerService:
         from ..train.objectives import token_losses
 
         ones = np.ones_like(logp)
+        ratio_mask = None if d.ratio_mask is None else jnp.asarray(d.ratio_mask)
         return np.asarray(token_losses(kind, jnp.asarray(logp), jnp.asarray(ones), jnp.asarray(d.weights),
                                        jnp.asarray(d.sampler_logprobs), jnp.asarray(d.advantages),
-                                       {k: jnp.asarray(v) for k, v in config.items()}), np.float32)
+                                       {k: jnp.asarray(v) for k, v in config.items()}, ratio_mask=ratio_mask),
+                          np.float32)
 
     def optim_step(self, model_id: str, params: dict) -> dict:
         run = self.run(model_id)

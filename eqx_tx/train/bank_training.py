@@ -54,6 +54,8 @@ class Datum:
     weights: Float[np.ndarray, " n"]
     sampler_logprobs: Float[np.ndarray, " n"]
     advantages: Float[np.ndarray, " n"]
+    ratio_mask: Float[np.ndarray, " n"] | None = None
+    """`gspo`: the tokens whose log-ratios make the sequence ratio (default: all)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +81,11 @@ class AdamWParams:
 
 
 class _Rows(Batch):
-    """Packed rows, and for each position the flat index (+1) of the datum token it holds."""
+    """Packed rows, and for each position the flat index (+1) of the datum token it holds
+    (`source`) and its `Datum.ratio_mask`."""
 
     source: Int[np.ndarray, "batch seq"] | None = per_token()
+    ratio_mask: Float[np.ndarray, "batch seq"] | None = per_token()
 
 
 def _next_pow2(n: int) -> int:
@@ -106,8 +110,12 @@ def _score_rows(params, frozen, grads, rows: _Rows, config, *, kind: str, comput
         if linear:  # its LM-head gradients come with the forward pass
             assert scores.weighted_sum is not None
             return -scores.weighted_sum, (logp, -weights * logp)
+        B, T = ids.shape
+        sequence_ids = jnp.arange(B)[:, None] * (T + 1) + segments  # one id per packed datum
         per = token_losses(kind, scores.logprobs, mask, weights, jnp.asarray(rows.sampler_logprobs, jnp.float32),
-                           jnp.asarray(rows.advantages, jnp.float32), config)
+                           jnp.asarray(rows.advantages, jnp.float32), config,
+                           ratio_mask=jnp.asarray(rows.ratio_mask, jnp.float32), sequence_ids=sequence_ids,
+                           num_sequences=B * (T + 1))
         return jnp.sum(per), (logp, jax.lax.stop_gradient(per))
 
     if not backward:
@@ -302,13 +310,16 @@ class BankTrainer:
                 out[i, :lens[i]] = getattr(d, field)
             return out
 
+        ratio_mask = np.zeros((B, longest), np.float32)
+        for i, d in enumerate(datums):
+            ratio_mask[i, :lens[i]] = 1.0 if d.ratio_mask is None else d.ratio_mask
         source = np.zeros((B, longest), np.int32)
         for i in range(B):
             source[i, :lens[i]] = 1 + offsets[i] + np.arange(lens[i])
         batch = _Rows(input_ids=stack("tokens", np.int32), target_ids=stack("targets", np.int32),
                       loss_weights=stack("weights", np.float32), lengths=lens.astype(np.int32),
                       sampler_logprobs=stack("sampler_logprobs", np.float32),
-                      advantages=stack("advantages", np.float32), source=source,
+                      advantages=stack("advantages", np.float32), source=source, ratio_mask=ratio_mask,
                       adapter_ids=np.full((B,), slot, np.int32))
         rows, _ = pack_by_tokens(batch, length)
         assert isinstance(rows, _Rows)  # pack_by_tokens keeps the batch's class

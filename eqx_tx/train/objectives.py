@@ -12,20 +12,24 @@ q)` and `A` the advantage:
   `hi = clip_high_threshold` (1.2): thresholds on the ratio, not offsets from 1.
 - `cispo`: `-sg(clip(r, lo, hi)) * logp * A`.
 - `dro`: `-(logp * A - beta / 2 * (logp - q)^2)` (`beta`, default 0.05).
+- `gspo` (GSPO-token): the PPO objective with each token's ratio
+  `s_t = sg(s) * exp(logp - sg(logp))`, where `s = exp(mean of (logp - q))` over the
+  datum's tokens marked by `sequence_ratio_mask` (same thresholds and defaults as `ppo`).
 
 Positions past a datum's length (padding of the packed rows) contribute nothing. The
 log-probabilities come from the chunked LM head (`eqx_tx.train.loss`): no
 `[batch, seq, vocab]` logits exist in the forward or the backward pass.
 """
 
+import functools
 import math
 from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-Objective = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+Objective = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 
 CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
@@ -34,12 +38,14 @@ CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 """Each objective's `loss_fn_config` keys and their defaults."""
 
 INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cross_entropy": (("target_tokens",), ("weights",)),
-    **{k: (("target_tokens", "logprobs", "advantages"), ()) for k in OBJECTIVES if k != "cross_entropy"},
+    **{k: (("target_tokens", "logprobs", "advantages"), ()) for k in ("importance_sampling", "ppo", "cispo", "dro")},
+    "gspo": (("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"), ()),
 }
 """Each objective's `loss_fn_inputs`: (required, optional)."""
 
@@ -77,12 +83,18 @@ def token_losses(
     sampler_logp: Float[Array, "batch seq"],
     advantages: Float[Array, "batch seq"],
     config: dict[str, Float[Array, ""]],
+    *,
+    ratio_mask: Float[Array, "batch seq"] | None = None,
+    sequence_ids: Int[Array, "batch seq"] | None = None,
+    num_sequences: int = 1,
 ) -> Float[Array, "batch seq"]:
     """Each position's loss under objective `kind` (module docstring); 0 where `mask` is 0.
 
     **Arguments:** `logp` the current log-probabilities; `mask` 1 on a datum's
     positions; `weights`, `sampler_logp`, `advantages` the datum's inputs (whichever
-    `kind` reads); `config` the completed `objective_config` (values may be traced).
+    `kind` reads); `config` the completed `objective_config` (values may be traced);
+    for `gspo`, `ratio_mask` (the datum's `sequence_ratio_mask`) and `sequence_ids`,
+    which datum each position belongs to (`0 <= id < num_sequences`; default: one).
     """
     live = mask != 0
     if kind == "cross_entropy":
@@ -100,6 +112,19 @@ def token_losses(
             loss = -jax.lax.stop_gradient(clipped) * logp * advantages
         elif kind == "dro":
             loss = -(logp * advantages - 0.5 * config["beta"] * log_ratio**2)
+        elif kind == "gspo":
+            ids = jnp.zeros(logp.shape, jnp.int32) if sequence_ids is None else sequence_ids
+            marked = jnp.where(live, jnp.ones_like(logp) if ratio_mask is None else (ratio_mask != 0), 0.0)
+            per_sequence = functools.partial(_per_sequence, ids=ids, num=num_sequences)
+            mean = per_sequence(jax.lax.stop_gradient(log_ratio) * marked) / jnp.maximum(per_sequence(marked), 1.0)
+            ratio = jnp.exp(mean + logp - jax.lax.stop_gradient(logp))
+            clipped = jnp.clip(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+            loss = -jnp.minimum(ratio * advantages, clipped * advantages)
         else:
             raise ValueError(f"unknown loss_fn {kind!r}")
     return jnp.where(live, loss, 0.0)
+
+
+def _per_sequence(x, *, ids, num: int):
+    """Each position's sum of `x` over the positions of its sequence."""
+    return jax.ops.segment_sum(x.reshape(-1), ids.reshape(-1), num)[ids]
