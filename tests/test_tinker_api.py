@@ -178,8 +178,16 @@ def test_each_loss_equals_its_formula_on_the_returned_logprobs(client, hf, kind,
 
 
 async def _unload(client, model_id):
+    """Unload a run (the SDK has no call for it) and wait until it is unloaded."""
     with client.holder.aclient(ClientConnectionPoolType.TRAIN) as c:
-        await c.post("/api/v1/unload_model", body={"model_id": model_id, "type": "unload_model"}, cast_to=object)
+        answer = await c.post("/api/v1/unload_model", body={"model_id": model_id, "type": "unload_model"},
+                              cast_to=object)
+        while True:
+            result = await c.post("/api/v1/retrieve_future", body={"request_id": answer["request_id"]},
+                                  cast_to=object)
+            if result.get("type") != "try_again":
+                assert result.get("model_id") == model_id, result
+                return
 
 
 def test_a_custom_loss_trains_through_forward_backward_custom(client, hf):
@@ -348,6 +356,30 @@ def test_bad_input_names_the_problem_and_changes_nothing(client, served):
             np.testing.assert_array_equal(after[part][name], moments[part][name])
     good.forward_backward(data, "cross_entropy")
     good.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+
+def test_slots_run_out_with_a_clear_error_and_a_finished_session_frees_its_slots(client, served):
+    service = served.app.state.tinker
+    other = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    taken = [other.create_lora_training_client(base_model="tiny", rank=2, seed=i).result()
+             for i in range(len(service.free_slots))]
+    with pytest.raises(Exception, match="training slots are in use.*--max-adapters"):
+        client.create_lora_training_client(base_model="tiny", rank=2).result()
+    other.close("success").result()  # the session ends: its runs are unloaded
+    assert all(tc.model_id not in service.runs for tc in taken)
+    tc = client.create_lora_training_client(base_model="tiny", rank=2).result()
+    client.holder.run_coroutine_threadsafe(_unload(client, tc.model_id)).result()
+    # a session whose client went away without closing: its runs make room when needed
+    gone = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    abandoned = [gone.create_lora_training_client(base_model="tiny", rank=2, seed=i).result()
+                 for i in range(len(service.free_slots))]
+    task = gone.holder._session_heartbeat_task  # the client dies: no more heartbeats
+    gone.holder.get_loop().call_soon_threadsafe(task.cancel)
+    time.sleep(0.5)
+    service.sessions[gone.holder.get_session_id()] -= service.config.session_timeout_s + 1
+    tc = client.create_lora_training_client(base_model="tiny", rank=2).result()
+    assert all(a.model_id not in service.runs for a in abandoned)
+    client.holder.run_coroutine_threadsafe(_unload(client, tc.model_id)).result()
 
 
 def test_requests_without_the_api_key_are_refused(served):

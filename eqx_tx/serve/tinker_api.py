@@ -86,8 +86,19 @@ def add_tinker_routes(app: FastAPI, service: TinkerService) -> None:
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
-        service.heartbeat((await body(request, t.SessionHeartbeatRequest)).session_id)
+        try:
+            service.heartbeat((await body(request, t.SessionHeartbeatRequest)).session_id)
+        except BadRequest as e:  # finished, or from before a restart: the SDK stops its heartbeats
+            return JSONResponse({"detail": str(e)}, status_code=410)
         return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str):
+        service.heartbeat(session_id)  # raises for an unknown session
+        request_id, fut = service.futures.new()
+        service.worker.submit(lambda: service.finish_session(session_id), fut)
+        await asyncio.wrap_future(fut)
+        return Response(status_code=204)
 
     # -- futures ------------------------------------------------------------------------
 

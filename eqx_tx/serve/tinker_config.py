@@ -20,6 +20,9 @@ class TinkerConfig:
     """Where checkpoints and their SQLite index live (kept across restarts)."""
     tokens_per_call: int = 16384
     """About how many tokens one compiled training call scores (packed rows)."""
+    session_timeout_s: float = 300.0
+    """When every slot is taken, runs whose session sent no heartbeat for this long
+    (their client is gone) are unloaded to make room (their checkpoints stay)."""
 
     def __post_init__(self):
         for name in ("max_adapters", "max_lora_rank", "sampler_adapters", "tokens_per_call"):

@@ -187,6 +187,13 @@ class TinkerService:
             raise BadRequest(f"unknown session {session_id}")
         self.sessions[session_id] = time.time()
 
+    def finish_session(self, session_id: str) -> None:
+        """The session is over (`ServiceClient.close`): its runs are unloaded (on the worker)."""
+        for model_id, run in list(self.runs.items()):
+            if run.session_id == session_id:
+                self.unload(model_id)
+        self.sessions.pop(session_id, None)
+
     def check_base(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.name:
             raise BadRequest(f"unknown base model {base_model!r}: this server serves {self.name!r}")
@@ -209,6 +216,8 @@ class TinkerService:
         if model_id in self.runs:
             raise BadRequest(f"model {model_id} exists already")
         if not self.free_slots:
+            self._unload_abandoned()
+        if not self.free_slots:
             raise BadRequest(f"all {self.trainer.slots} training slots are in use (the server's --max-adapters): "
                              "unload a model first")
         if train_unembed:
@@ -220,6 +229,16 @@ class TinkerService:
         self.runs[model_id] = run
         self.store.add_run(model_id, run.info(self.name))
         return {"model_id": model_id, "type": "create_model"}
+
+    def _unload_abandoned(self) -> None:
+        """Free the slots of runs whose session sent no heartbeat for `session_timeout_s`
+        (their client is gone; their saved checkpoints stay)."""
+        now = time.time()
+        for model_id, run in list(self.runs.items()):
+            if now - self.sessions.get(run.session_id, 0.0) > self.config.session_timeout_s:
+                logger.warning("model %s: its session sent no heartbeat for %.0f s: unloaded", model_id,
+                               now - self.sessions.get(run.session_id, 0.0))
+                self.unload(model_id)
 
     def unload(self, model_id: str) -> dict:
         run = self.run(model_id)
@@ -481,9 +500,8 @@ class TinkerService:
                                                          for ids, lps in zip(scores[1], scores[2])]
             if not prompt_logprobs:
                 logprobs = None
-        k = topk_sample if topk_sample else 0
-        return wire.sample_response(list(sequences), prompt_logprobs=logprobs, topk_prompt=top_rows,
-                                    topk=max(k, topk_prompt))
+        return wire.sample_response(list(sequences), topk_sample=topk_sample, prompt_logprobs=logprobs,
+                                    topk_prompt=top_rows, topk_prompt_k=topk_prompt)
 
     def _prompt_scores(self, model, prompt, last_n, top_k, engine_slot):
         if len(prompt) < 2:
@@ -527,6 +545,8 @@ class TinkerService:
         future = self.loop.submit(prompt, params, sample, listener, adapter=engine_slot)
         request_id.append(await asyncio.wrap_future(future))
         await done
+        if seq.stop_reason == "stop" and stop_strings:
+            self.loop.cancel(request_id[0])  # a stop string ended it (before its id was known, perhaps)
         return seq
 
 

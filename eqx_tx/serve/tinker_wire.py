@@ -130,10 +130,11 @@ def _topk(rows: list[tuple[tuple[int, float], ...] | None], k: int) -> "pb.TopkL
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logp.tobytes(), k=k, length=len(rows))
 
 
-def sample_response(sequences: list[Sequence], *, prompt_logprobs: np.ndarray | None = None,
-                    topk_prompt: list | None = None, topk: int = 0, cached_tokens: int = 0) -> bytes:
-    """A `SampleResponse`: the sequences, and the prompt's log-probs (NaN where not
-    scored) and top-k alternatives (`None` rows where not scored) if asked."""
+def sample_response(sequences: list[Sequence], *, topk_sample: int = 0, prompt_logprobs: np.ndarray | None = None,
+                    topk_prompt: list | None = None, topk_prompt_k: int = 0, cached_tokens: int = 0) -> bytes:
+    """A `SampleResponse`: the sequences (with their tokens' `topk_sample` alternatives
+    if asked), and the prompt's log-probs (NaN where not scored) and `topk_prompt_k`
+    alternatives (`None` rows where not scored) if asked."""
     stops = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
     out = pb.SampleResponse(prompt_cache_hit_tokens=cached_tokens)
     for s in sequences:
@@ -141,10 +142,10 @@ def sample_response(sequences: list[Sequence], *, prompt_logprobs: np.ndarray | 
         seq.stop_reason = stops[s.stop_reason]
         seq.tokens = np.asarray(s.tokens, np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, np.float32).tobytes()
-        if s.top is not None and topk:
-            seq.topk_sampled_logprobs.CopyFrom(_topk(list(s.top), topk))
+        if s.top is not None and topk_sample:
+            seq.topk_sampled_logprobs.CopyFrom(_topk(list(s.top), topk_sample))
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, np.float32).tobytes()
-    if topk_prompt is not None and topk:
-        out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, topk))
+    if topk_prompt is not None and topk_prompt_k:
+        out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, topk_prompt_k))
     return out.SerializeToString()
