@@ -299,6 +299,24 @@ def test_prompt_lists_zero_tokens_usage_chunks_and_alternatives(served):
     assert _idle(served.loop) == (False, 0)
 
 
+def test_echo_returns_the_prompt_with_its_logprobs_from_a_forward_pass(served):
+    client, tokenizer, model = served.client, served.tokenizer, served.base
+    prompt = "Once upon a time there was"
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=2)
+    ids = tokenizer.encode(prompt)
+    choice = answer.choices[0]
+    assert choice.text.startswith(prompt) and len(choice.logprobs.token_logprobs) == len(ids) + 3
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    logp = jax.nn.log_softmax(np.asarray(eqx_tx.logits(model, np.asarray([ids]))[0], np.float64), axis=-1)
+    want = [logp[t, ids[t + 1]] for t in range(len(ids) - 1)]
+    np.testing.assert_allclose(choice.logprobs.token_logprobs[1:len(ids)], want, atol=1e-4)
+    for t, top in enumerate(choice.logprobs.top_logprobs[1:len(ids)]):
+        assert sorted(top.values(), reverse=True) == pytest.approx(np.sort(logp[t])[::-1][:2].tolist(), abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, stream=True)
+
+
 def test_the_served_name_is_the_checkpoint_s_own(tmp_path):
     serve = load_tool("serve")
     (tmp_path / "runs" / "story" / "final").mkdir(parents=True)

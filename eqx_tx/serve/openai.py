@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from ..core.log import logger
+from ..infer.prompt_scores import prompt_scores
 from ..infer.sampling import SamplingParams
 from ..infer.scheduler import TokenEvent
 from ..infer.text import Message, Tokenizer
@@ -71,6 +73,7 @@ class CompletionRequest(_Sampled):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
 
 
 class ChatRequest(_Sampled):
@@ -369,12 +372,35 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                            "prompt")
         return prompts
 
+    async def echo_prompts(body: CompletionRequest, prompts: list[list[int]], top: int, adapter: int | None):
+        """With `echo`: each prompt's text and its tokens' logprobs entries (`None` for the
+        first token: nothing precedes it), scored through the LM head in chunks."""
+        if not body.echo:
+            return None
+        if body.stream:
+            raise ApiError(400, "echo is not supported with stream=true", "echo")
+        texts = [body.prompt] if isinstance(body.prompt, str) else (
+            [p if isinstance(p, str) else tokenizer.decode(q) for p, q in zip(body.prompt, prompts)]
+            if body.prompt and not isinstance(body.prompt[0], int) else [tokenizer.decode(prompts[0])])
+        out = []
+        for text, prompt in zip(texts, prompts):
+            lp, ids, values = (np.zeros(0), np.zeros((0, top)), np.zeros((0, top))) if len(prompt) < 2 else \
+                await asyncio.to_thread(prompt_scores, loop.engine.model, prompt, top_k=top, adapter=adapter,
+                                        compute=loop.engine.compute)
+            tops = [None] + [{tokenizer.decode([int(t)]): float(v) for t, v in zip(row_ids, row)}
+                             for row_ids, row in zip(ids, values)]
+            out.append((text, {"tokens": [tokenizer.decode([t]) for t in prompt],
+                               "token_logprobs": [None] + [float(x) for x in lp],
+                               "top_logprobs": tops if top else None, "text_offset": None}))
+        return out
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         adapter = adapter_of(body.model)
         top = check_top(body.logprobs, "logprobs")
         prompts = completion_prompts(body.prompt)
         params = _sampling(body, 16 if body.max_tokens is None else body.max_tokens, len(prompts))
+        echoed = await echo_prompts(body, prompts, top, adapter)
         job = _Job(loop, tokenizer, prompts, params, body.n, _stops(body.stop), adapter)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -382,16 +408,22 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
             if body.logprobs is None:
                 return None
             tokens = c.tokens[since:]
-            return {"tokens": [tokenizer.decode([t]) for t in tokens], "token_logprobs": c.logprobs[since:],
-                    "top_logprobs": [{tokenizer.decode([t]): v for t, v in alternatives[:top]}
-                                     for alternatives in c.top[since:]] if top else None,
-                    "text_offset": None}
+            found = {"tokens": [tokenizer.decode([t]) for t in tokens], "token_logprobs": c.logprobs[since:],
+                     "top_logprobs": [{tokenizer.decode([t]): v for t, v in alternatives[:top]}
+                                      for alternatives in c.top[since:]] if top else None,
+                     "text_offset": None}
+            if echoed is not None:  # the prompt's tokens first (the first has no log-prob)
+                before = echoed[c.prompt][1]
+                found = {k: None if v is None or before[k] is None else before[k] + v for k, v in found.items()}
+            return found
 
         def choice(job: _Job, i: int, delta: bool) -> dict:
             c = job.choices[i]
             text = c.text[c.sent :] if delta else c.text
             if delta:
                 c.sent = len(c.text)
+            elif echoed is not None:
+                text = echoed[c.prompt][0] + text
             return {"index": i, "text": text, "finish_reason": c.finish_reason,
                     "logprobs": logprobs(c, len(c.tokens) - 1 if delta else 0)}
 
