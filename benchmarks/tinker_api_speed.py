@@ -159,7 +159,7 @@ def main(args: Args) -> None:
         server, url, directory = _serve(base, args, tinker_config)
         import tinker
 
-        client = tinker.ServiceClient(base_url=url, api_key="bench")
+        client = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         tc = client.create_lora_training_client(base_model="bench", rank=args.rank, seed=0).result()
         sdk_datums = _tinker_datums(tokens)
 
@@ -222,7 +222,7 @@ def _serve(base, args: Args, tinker_config: TinkerConfig):
     engine = EngineConfig(max_seqs=max(args.sample_batch, 1), page_size=16,
                           max_tokens_in_cache=args.sample_batch * 2 * (args.prompt_len + args.new_tokens))
     _, app = serve.build(serve.Args(model=directory, model_name="bench", engine=engine, tinker=tinker_config,
-                                    api_key="bench", warmup=False))
+                                    api_key="tml-bench", warmup=False))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
