@@ -66,6 +66,10 @@ class Args:
     prompt_len: int = 128
     new_tokens: int = 64
     tokens_per_call: int = 16384
+    skip_train_step: bool = False
+    """Leave out `train_step` (e.g. a batch it cannot fit: the bank streams rows in calls of
+    `tokens_per_call` tokens, so its batch is not bounded by memory)."""
+    offload_moments: bool = False
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -76,6 +80,14 @@ def _median_seconds(fn, repeats: int) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def _peak(after: str) -> None:
+    """The device's peak bytes so far (accelerators report it)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        print(f"  peak device bytes after {after}: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB "
+              f"of {stats.get('bytes_limit', 0) / 2**30:.2f}", flush=True)
 
 
 def _tinker_datums(tokens: np.ndarray):
@@ -121,14 +133,16 @@ def main(args: Args) -> None:
         state[0], metrics = eqx_tx.train_step(state[0], batch, train_config)
         jax.block_until_ready(metrics["loss"])
 
-    rows.append(("train_step (the library)", _median_seconds(library_step, args.repeats)))
+    if not args.skip_train_step:
+        rows.append(("train_step (the library)", _median_seconds(library_step, args.repeats)))
+        _peak("train_step")
     del state[0], lora
 
     # 2. BankTrainer, 3. the service
     tinker_config = TinkerConfig(max_adapters=2, max_lora_rank=args.rank, sampler_adapters=1,
                                  state_dir=tempfile.mkdtemp(), tokens_per_call=args.tokens_per_call)
     trainee, sampler_model = init_banks(base, tinker_config)
-    trainer = BankTrainer(trainee, tokens_per_call=args.tokens_per_call)
+    trainer = BankTrainer(trainee, tokens_per_call=args.tokens_per_call, offload_moments=args.offload_moments)
     trainer.init_slot(0, rank=args.rank, seed=0)
     datums = [Datum(r[:-1], r[1:], np.ones(T, np.float32), np.zeros(T, np.float32), np.zeros(T, np.float32))
               for r in tokens]
@@ -139,6 +153,7 @@ def main(args: Args) -> None:
         jax.block_until_ready(trainer.params)
 
     rows.append(("BankTrainer (a slot of the bank)", _median_seconds(bank_step, args.repeats)))
+    _peak("BankTrainer")
     engine = eqx_tx.Engine(sampler_model, EngineConfig(max_seqs=max(args.sample_batch, 1), page_size=16,
                                                        max_tokens_in_cache=args.sample_batch * 2 * (args.prompt_len + args.new_tokens)))
     loop = EngineLoop(engine)
@@ -152,7 +167,9 @@ def main(args: Args) -> None:
         for fn in (lambda: service.forward_backward(request), lambda: service.optim_step("bench:train:0", {})):
             service.futures.get(service.on_worker(fn)).result()
 
-    rows.append(("service layer in-process (proto in and out, worker thread)", _median_seconds(service_step, args.repeats)))
+    rows.append(("service layer in-process (proto in and out, worker thread)",
+                 _median_seconds(service_step, args.repeats)))
+    _peak("service")
 
     server = None
     if args.http:
@@ -173,7 +190,8 @@ def main(args: Args) -> None:
     print("\n| training: forward_backward + optim_step | s / step (median) | tokens/s | vs train_step |")
     print("|---|---|---|---|")
     for name, seconds in rows:
-        print(f"| {name} | {seconds:.3f} | {trained_tokens / seconds:,.0f} | {rows[0][1] / seconds:.2f}x |")
+        ratio = f"{rows[0][1] / seconds:.2f}x" if not args.skip_train_step else "-"
+        print(f"| {name} | {seconds:.3f} | {trained_tokens / seconds:,.0f} | {ratio} |")
 
     if args.sample:
         prompts = rng.integers(0, config.vocab_size, (args.sample_batch, args.prompt_len)).tolist()

@@ -125,3 +125,21 @@ def test_a_low_rank_slot_stays_low_rank_and_untrained_projections_stay_zero(trai
             assert np.any(x[:, :3]) and not np.any(x[:, 3:]), name  # rows past rank 3: zero
         else:
             assert np.any(x[..., :3]) and not np.any(x[..., 3:]), name
+
+
+def test_moments_kept_in_host_memory_give_the_same_steps(trainer):
+    offloaded = BankTrainer(trainer.model, min_row=16, tokens_per_call=32, offload_moments=True)
+    assert offloaded.m is None  # no bank of moments on the device
+    for t in (trainer, offloaded):
+        t.init_slot(0, rank=8, seed=11)
+    hp = AdamWParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+    for step in range(2):
+        for t in (trainer, offloaded):
+            t.forward_backward(0, _datums(4 + step, "cross_entropy"), "cross_entropy", {})
+            t.adamw_step(0, hp)
+    want, got = trainer.slot_state(0), offloaded.slot_state(0)
+    for part in ("params", "m", "v"):
+        for name in want[part]:
+            np.testing.assert_allclose(got[part][name], want[part][name], rtol=1e-6, atol=1e-7)
+    offloaded.set_slot(1, want, count=2)  # a loaded state lands in host memory too
+    assert offloaded.counts[1] == 2 and np.array_equal(offloaded.slot_state(1)["m"][name], want["m"][name])

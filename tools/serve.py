@@ -76,6 +76,7 @@ class Args:
 
 def build(args: Args):
     """The engine loop and the FastAPI app for `args` (the tests serve it themselves)."""
+    import jax
     import jax.numpy as jnp
 
     import eqx_tx
@@ -122,7 +123,12 @@ def build(args: Args):
         from eqx_tx.train.bank_training import BankTrainer
 
         compute = eqx_tx.ComputeConfig(attention=args.attention)
-        trainer = BankTrainer(trainee, compute=compute, tokens_per_call=args.tinker.tokens_per_call)
+        offload = args.tinker.offload_moments
+        if offload is None:  # an accelerator with pinned host memory (on a CPU the device is the host)
+            device = jax.devices()[0]
+            offload = device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
+        trainer = BankTrainer(trainee, compute=compute, tokens_per_call=args.tinker.tokens_per_call,
+                              offload_moments=offload)
         app.state.tinker = TinkerService(trainer, loop, name=name, tokenizer_id=os.path.abspath(directory),
                                          tokenizer=tokenizer, config=args.tinker, compute=compute)
         add_tinker_routes(app, app.state.tinker)

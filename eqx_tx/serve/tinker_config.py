@@ -20,6 +20,9 @@ class TinkerConfig:
     """Where checkpoints and their SQLite index live (kept across restarts)."""
     tokens_per_call: int = 16384
     """About how many tokens one compiled training call scores (packed rows)."""
+    offload_moments: bool | None = None
+    """Keep each run's AdamW moments in host memory between its steps (the device holds
+    one run's at a time); None: on an accelerator with pinned host memory (TPU, GPU)."""
     session_timeout_s: float = 300.0
     """When every slot is taken, runs whose session sent no heartbeat for this long
     (their client is gone) are unloaded to make room (their checkpoints stay)."""

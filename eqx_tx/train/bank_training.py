@@ -36,6 +36,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
+from ..core.log import log_once
 from ..layers.lora import ATTENTION_TARGETS, MLP_TARGETS, lora_filter, lora_settings, select_adapters
 from ..models import CausalLM
 from .bank_optimizer import bank_axes
@@ -126,13 +127,9 @@ def _score_rows(params, frozen, grads, rows: _Rows, config, *, kind: str, comput
     return grads, logp, per
 
 
-@functools.partial(jax.jit, static_argnames="axes", donate_argnames=("params", "grads", "m", "v"))
-def _adamw_slot(params, grads, m, v, slot, count, hp, *, axes: tuple[int, ...]):
-    """PyTorch AdamW on slot `slot` of every bank leaf (leaf `i`'s slot axis `axes[i]`);
-    the slot's gradients are cleared. Returns the new trees and the gradient norm."""
-    leaves = [jax.tree.leaves(t) for t in (params, grads, m, v)]
-    take = [[jnp.take(x, slot, axis=a) for x, a in zip(ls, axes)] for ls in leaves]
-    p, g, mm, vv = take
+def _adamw(p, g, m, v, count, hp):
+    """PyTorch's AdamW on one slot's leaves (after `clip_grad_norm_`); returns the new
+    weights and moments, and the gradient norm before clipping."""
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g))
     clip = hp["grad_clip_norm"]
     scale = jnp.where(clip > 0, jnp.minimum(1.0, clip / (norm + 1e-6)), 1.0)
@@ -140,22 +137,42 @@ def _adamw_slot(params, grads, m, v, slot, count, hp, *, axes: tuple[int, ...]):
     t = count.astype(jnp.float32)
     step_size = lr / (1 - b1**t)
     root_bc2 = jnp.sqrt(1 - b2**t)
-    out = ([], [], [], [])
-    for x_p, x_g, x_m, x_v in zip(p, g, mm, vv):
+    new_p, new_m, new_v = [], [], []
+    for x_p, x_g, x_m, x_v in zip(p, g, m, v):
         x_g = x_g.astype(jnp.float32) * scale
-        new_m = b1 * x_m + (1 - b1) * x_g
-        new_v = b2 * x_v + (1 - b2) * x_g * x_g
-        new_p = x_p.astype(jnp.float32) * (1 - lr * wd) - step_size * new_m / (jnp.sqrt(new_v) / root_bc2 + eps)
-        for acc, value in zip(out, (new_p.astype(x_p.dtype), jnp.zeros_like(x_g), new_m, new_v)):
-            acc.append(value)
+        new_m.append(b1 * x_m + (1 - b1) * x_g)
+        new_v.append(b2 * x_v + (1 - b2) * x_g * x_g)
+        update = step_size * new_m[-1] / (jnp.sqrt(new_v[-1]) / root_bc2 + eps)
+        new_p.append((x_p.astype(jnp.float32) * (1 - lr * wd) - update).astype(x_p.dtype))
+    return new_p, new_m, new_v, norm
 
-    def put(tree, values):
-        leaves = jax.tree.leaves(tree)
-        new = [jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), slot, a) for x, y, a in
-               zip(leaves, values, axes)]
-        return jax.tree.unflatten(jax.tree.structure(tree), new)
 
-    return (*(put(t, vals) for t, vals in zip((params, grads, m, v), out)), norm)
+def _take(tree, slot, axes):
+    return [jnp.take(x, slot, axis=a) for x, a in zip(jax.tree.leaves(tree), axes)]
+
+
+def _put(tree, values, slot, axes):
+    leaves = [_write_slot(x, y, slot, a) for x, y, a in zip(jax.tree.leaves(tree), values, axes)]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+@functools.partial(jax.jit, static_argnames="axes", donate_argnames=("params", "grads", "m", "v"))
+def _adamw_slot(params, grads, m, v, slot, count, hp, *, axes: tuple[int, ...]):
+    """`_adamw` on slot `slot` of every bank leaf (leaf `i`'s slot axis `axes[i]`), the
+    moments held as banks too; the slot's gradients are cleared."""
+    p, g, m_slot, v_slot = (_take(t, slot, axes) for t in (params, grads, m, v))
+    p, mm, vv, norm = _adamw(p, g, m_slot, v_slot, count, hp)
+    cleared = [jnp.zeros_like(x) for x in _take(grads, slot, axes)]
+    return (_put(params, p, slot, axes), _put(grads, cleared, slot, axes), _put(m, mm, slot, axes),
+            _put(v, vv, slot, axes), norm)
+
+
+@functools.partial(jax.jit, static_argnames="axes", donate_argnames=("params", "grads"))
+def _adamw_slot_moments(params, grads, m, v, slot, count, hp, *, axes: tuple[int, ...]):
+    """`_adamw_slot` with the moments of the slot alone (lists of its leaves), returned."""
+    p, mm, vv, norm = _adamw(_take(params, slot, axes), _take(grads, slot, axes), m, v, count, hp)
+    cleared = [jnp.zeros_like(x) for x in _take(grads, slot, axes)]
+    return _put(params, p, slot, axes), _put(grads, cleared, slot, axes), mm, vv, norm
 
 
 class BankTrainer:
@@ -169,10 +186,14 @@ class BankTrainer:
     - `tokens_per_call`: about how many tokens one compiled call scores (rows of one
       call: this over the row length, a power of two, at least one).
     - `min_row`: the shortest packed row (row lengths are powers of two from it).
+    - `offload_moments`: keep each slot's AdamW moments in host memory (pinned host
+      memory where the platform has it, else host RAM) between its steps: the device
+      holds the moments of the slot being updated only, not of every slot of the bank.
     """
 
     def __init__(self, model: CausalLM, *, compute: ComputeConfig = ComputeConfig(),
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, tokens_per_call: int = 16384, min_row: int = 128):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, tokens_per_call: int = 16384, min_row: int = 128,
+                 offload_moments: bool = False):
         settings = lora_settings(model)
         if settings["adapters"] is None:
             raise ValueError("BankTrainer needs a model with a LoRA bank (apply_lora(..., adapters=n))")
@@ -181,7 +202,10 @@ class BankTrainer:
         self._axes = tuple(jax.tree.leaves(bank_axes(self.params)))
         self._names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(self.params)[0]]
         zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
-        self.grads, self.m, self.v = zeros(self.params), zeros(self.params), zeros(self.params)
+        self.grads = zeros(self.params)
+        self.offload_moments = offload_moments
+        self.m, self.v = (None, None) if offload_moments else (zeros(self.params), zeros(self.params))
+        self._host_moments: dict[int, tuple[list, list]] = {}  # offloaded: slot -> (m, v) leaves on the host
         self.counts = [0] * self.slots
         self.compute, self.chunk_size = compute, chunk_size
         self.tokens_per_call, self.min_row = tokens_per_call, min_row
@@ -218,17 +242,38 @@ class BankTrainer:
     def slot_state(self, slot: int) -> dict[str, dict[str, np.ndarray]]:
         """Slot `slot`'s weights (`params`) and AdamW moments (`m`, `v`), as host arrays by leaf name."""
         self._check_slot(slot)
-        out = {}
-        for part, tree in (("params", self.params), ("m", self.m), ("v", self.v)):
-            out[part] = {n: np.asarray(jnp.take(x, slot, axis=a))
-                         for n, x, a in zip(self._names, jax.tree.leaves(tree), self._axes)}
+        out = {"params": dict(zip(self._names, (np.asarray(x) for x in _take(self.params, slot, self._axes))))}
+        m, v = self._slot_moments(slot)
+        out["m"], out["v"] = (dict(zip(self._names, (np.asarray(x) for x in t))) for t in (m, v))
         return out
+
+    def _slot_shapes(self) -> list[tuple[int, ...]]:
+        return [x.shape[:a] + x.shape[a + 1:] for x, a in zip(jax.tree.leaves(self.params), self._axes)]
+
+    def _slot_moments(self, slot: int) -> tuple[list, list]:
+        """Slot `slot`'s moments (leaf lists) on the device."""
+        if not self.offload_moments:
+            assert self.m is not None and self.v is not None
+            return _take(self.m, slot, self._axes), _take(self.v, slot, self._axes)
+        if slot not in self._host_moments:
+            zeros = [jnp.zeros(shape, jnp.float32) for shape in self._slot_shapes()]
+            return zeros, list(zeros)
+        return tuple([_on_device(x) for x in t] for t in self._host_moments[slot])  # type: ignore[return-value]
 
     def set_slot(self, slot: int, state: dict[str, dict], *, count: int = 0) -> None:
         """Write slot `slot`: its `params` (required) and moments `m`, `v` (zeros if absent);
         its gradients are cleared and its step count set to `count`."""
         self._check_slot(slot)
         parts = {"params": self.params, "m": self.m, "v": self.v, "grads": self.grads}
+        if self.offload_moments:
+            self._host_moments.pop(slot, None)
+            if state.get("m") is not None:
+                moments = [[np.asarray(state[k][n], np.float32) for n in self._names] for k in ("m", "v")]
+                for values, shape in zip(moments[0], self._slot_shapes()):
+                    if values.shape != shape:
+                        raise ValueError(f"moments: shape {values.shape}, the bank's slots hold {shape}")
+                self._host_moments[slot] = (_to_host(moments[0]), _to_host(moments[1]))
+            parts = {"params": self.params, "grads": self.grads}
         for part, tree in parts.items():
             given = state.get(part)
             leaves = jax.tree.leaves(tree)
@@ -240,7 +285,8 @@ class BankTrainer:
                     raise ValueError(f"{part} {name}: shape {value.shape}, the bank's slots hold {shape}")
                 new.append(_write_slot(x, value, slot, a))
             parts[part] = jax.tree.unflatten(jax.tree.structure(tree), new)
-        self.params, self.m, self.v, self.grads = parts["params"], parts["m"], parts["v"], parts["grads"]
+        self.params, self.grads = parts["params"], parts["grads"]
+        self.m, self.v = parts.get("m", self.m), parts.get("v", self.v)
         self.counts[slot] = count
 
     def clear_gradients(self, slot: int) -> None:
@@ -290,9 +336,15 @@ class BankTrainer:
         self._check_slot(slot)
         self.counts[slot] += 1
         hp = {k: jnp.asarray(v, jnp.float32) for k, v in dataclasses.asdict(params).items()}
-        self.params, self.grads, self.m, self.v, norm = _adamw_slot(
-            self.params, self.grads, self.m, self.v, jnp.asarray(slot, jnp.int32),
-            jnp.asarray(self.counts[slot], jnp.int32), hp, axes=self._axes)
+        index, count = jnp.asarray(slot, jnp.int32), jnp.asarray(self.counts[slot], jnp.int32)
+        if self.offload_moments:
+            m, v = self._slot_moments(slot)
+            self.params, self.grads, m, v, norm = _adamw_slot_moments(self.params, self.grads, m, v, index, count,
+                                                                      hp, axes=self._axes)
+            self._host_moments[slot] = (_to_host(m), _to_host(v))
+        else:
+            self.params, self.grads, self.m, self.v, norm = _adamw_slot(self.params, self.grads, self.m, self.v,
+                                                                        index, count, hp, axes=self._axes)
         return float(norm)
 
     def _pack(self, slot: int, datums: Sequence[Datum]) -> tuple[_Rows, np.ndarray]:
@@ -324,6 +376,26 @@ class BankTrainer:
         rows, _ = pack_by_tokens(batch, length)
         assert isinstance(rows, _Rows)  # pack_by_tokens keeps the batch's class
         return rows, offsets
+
+
+def _pinned_host() -> bool:
+    """Whether the first device has pinned host memory (TPUs and GPUs do; CPUs not)."""
+    return any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
+
+
+def _to_host(leaves: list) -> list:
+    """Moments to where they wait between steps: pinned host memory, or host RAM."""
+    if _pinned_host():
+        leaves = [jnp.asarray(x) for x in leaves]
+        return [jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) for x in leaves]
+    log_once("BankTrainer(offload_moments=True): no pinned host memory on this platform; moments wait in host RAM")
+    return [np.asarray(x) for x in leaves]
+
+
+def _on_device(x):
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
 
 def _prev_pow2(n: int) -> int:
