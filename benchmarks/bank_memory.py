@@ -44,6 +44,7 @@ def main(args: Args) -> None:
     base = eqx_tx.init_model(config, key=jax.random.key(0), dtype=dtype)
     bank = eqx_tx.apply_lora(base, rank=args.rank, alpha=32.0, adapters=args.slots, key=jax.random.key(1))
     trainer = BankTrainer(bank, offload_moments=args.offload_moments)
+    del bank  # the trainer holds the bank now (its first write donates these arrays)
     for slot in range(args.slots):
         trainer.init_slot(slot, rank=args.rank, seed=slot)
     rng = np.random.default_rng(0)

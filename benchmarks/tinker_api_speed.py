@@ -170,6 +170,7 @@ def main(args: Args) -> None:
     rows.append(("service layer in-process (proto in and out, worker thread)",
                  _median_seconds(service_step, args.repeats)))
     _peak("service")
+    rows.append(("BankTrainer again (after the service: order effects)", _median_seconds(bank_step, args.repeats)))
 
     server = None
     if args.http:

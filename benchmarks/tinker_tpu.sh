@@ -2,12 +2,15 @@
 # The Tinker API's figures on one TPU chip (benchmarks/results/tinker_api_tpu_v5e.md): the
 # adapter bank's device bytes with the moments on the device and in host memory, and the
 # service layer's training tokens/s beside train_step at 4k and 8k tokens per sequence.
-# Usage: bash benchmarks/tinker_tpu.sh OUT_DIR
+# Usage: bash benchmarks/tinker_tpu.sh OUT_DIR [NAME ...]  (NAMEs: run only those)
 set -u
 out=${1:-/tmp/tinker-tpu}
+shift || true
+only=" $* "
 mkdir -p "$out"
 run() {  # name, then the command: its output to OUT/name.txt; a failure (e.g. out of memory) is recorded, not fatal
     local name=$1; shift
+    if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
     echo "== $name: $*" | tee "$out/$name.txt"
     timeout 900 "$@" >> "$out/$name.txt" 2>&1 || echo "== exit $?" >> "$out/$name.txt"
     grep -v "^WARNING\|^I[0-9]" "$out/$name.txt" | tail -20

@@ -180,7 +180,9 @@ class BankTrainer:
 
     **Arguments:**
 
-    - `model`: a model with a LoRA bank (`apply_lora(..., adapters=n)`).
+    - `model`: a model with a LoRA bank (`apply_lora(..., adapters=n)`). The trainer owns
+      the bank's arrays from now on: they are updated in place (donated), so the bank
+      passed in is not to be used again.
     - `compute`: attention implementation, remat policy.
     - `chunk_size`: tokens per LM-head chunk.
     - `tokens_per_call`: about how many tokens one compiled call scores (rows of one
@@ -276,15 +278,13 @@ class BankTrainer:
             parts = {"params": self.params, "grads": self.grads}
         for part, tree in parts.items():
             given = state.get(part)
-            leaves = jax.tree.leaves(tree)
-            new = []
-            for name, x, a in zip(self._names, leaves, self._axes):
-                shape = x.shape[:a] + x.shape[a + 1:]
+            values = []
+            for name, x, shape in zip(self._names, jax.tree.leaves(tree), self._slot_shapes()):
                 value = jnp.zeros(shape, x.dtype) if given is None else jnp.asarray(given[name], x.dtype)
                 if value.shape != shape:
                     raise ValueError(f"{part} {name}: shape {value.shape}, the bank's slots hold {shape}")
-                new.append(_write_slot(x, value, slot, a))
-            parts[part] = jax.tree.unflatten(jax.tree.structure(tree), new)
+                values.append(value)
+            parts[part] = _write_slots(tree, values, jnp.asarray(slot, jnp.int32), axes=self._axes)
         self.params, self.grads = parts["params"], parts["grads"]
         self.m, self.v = parts.get("m", self.m), parts.get("v", self.v)
         self.counts[slot] = count
@@ -292,8 +292,8 @@ class BankTrainer:
     def clear_gradients(self, slot: int) -> None:
         """Drop slot `slot`'s accumulated gradients."""
         self._check_slot(slot)
-        self.grads = jax.tree.map(lambda x, a: _write_slot(x, jnp.zeros(x.shape[:a] + x.shape[a + 1:], x.dtype),
-                                                           slot, a), self.grads, _axes_tree(self.grads, self._axes))
+        zeros = [jnp.zeros(shape, jnp.float32) for shape in self._slot_shapes()]
+        self.grads = _write_slots(self.grads, zeros, jnp.asarray(slot, jnp.int32), axes=self._axes)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -406,5 +406,7 @@ def _write_slot(x: Array, value: Array, slot: int, axis: int) -> Array:
     return jax.lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), slot, axis)
 
 
-def _axes_tree(tree, axes: tuple[int, ...]):
-    return jax.tree.unflatten(jax.tree.structure(tree), list(axes))
+@functools.partial(jax.jit, static_argnames="axes", donate_argnames="tree")
+def _write_slots(tree, values, slot, *, axes: tuple[int, ...]):
+    """`tree` (a bank, donated: written in place) with slot `slot` of leaf `i` set to `values[i]`."""
+    return _put(tree, values, slot, axes)
