@@ -40,7 +40,7 @@ SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
     {
         "rl": _names("eqx_tx.rl", "rollouts"),
         "serve": _names("eqx_tx.serve", "loop", "metrics", "openai", "auth", "tinker_config", "tinker_wire",
-                        "tinker_store", "tinker_service", "tinker_api"),
+                        "tinker_store", "tinker_futures", "tinker_service", "tinker_api"),
         "analysis": _names("eqx_tx.analysis", "host_memory", "memory"),
     },
     # the tools' entry point

@@ -358,6 +358,41 @@ def test_bad_input_names_the_problem_and_changes_nothing(client, served):
     good.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
 
+def test_two_clients_forward_backward_passes_run_in_one_batch(client, served):
+    import concurrent.futures as cf
+
+    service = served.app.state.tinker
+    a = client.create_lora_training_client(base_model="tiny", rank=4, seed=12).result()
+    b = client.create_lora_training_client(base_model="tiny", rank=4, seed=13).result()
+    data_a, data_b = [_datum(_tokens(51, 25))], [_datum(_tokens(52, 14)), _datum(_tokens(53, 30))]
+    alone = [_logprobs(x.forward(d, "cross_entropy").result()) for x, d in ((a, data_a), (b, data_b))]
+    calls = []
+    original = service.trainer.forward_backward
+
+    def recording(slots, *args, **kwargs):
+        calls.append(list(slots) if not isinstance(slots, int) else [slots])
+        return original(slots, *args, **kwargs)
+
+    service.trainer.forward_backward = recording
+    gate = cf.Future()
+    service.worker.submit(lambda: gate.result(), cf.Future())  # hold the worker while both are queued
+    try:
+        fa, fb = a.forward(data_a, "cross_entropy"), b.forward(data_b, "cross_entropy")
+        while service.worker._inbox.qsize() < 2:
+            time.sleep(0.01)
+        gate.set_result(None)
+        together = [_logprobs(fa.result()), _logprobs(fb.result())]
+    finally:
+        service.trainer.forward_backward = original
+    slots = {service.runs[x.model_id].slot for x in (a, b)}
+    assert len(calls) == 1 and set(calls[0]) == slots  # one call of the bank, both runs' datums
+    for got, want in zip(together, alone):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5)
+    for tc in (a, b):
+        client.holder.run_coroutine_threadsafe(_unload(client, tc.model_id)).result()
+
+
 def test_slots_run_out_with_a_clear_error_and_a_finished_session_frees_its_slots(client, served):
     service = served.app.state.tinker
     other = tinker.ServiceClient(base_url=served.url, api_key=KEY)

@@ -151,7 +151,7 @@ def add_tinker_routes(app: FastAPI, service: TinkerService) -> None:
         raw = wire.decompress(await request.body(), request.headers.get("content-encoding"))
         parsed = wire.parse_forward_backward(raw)
         service.run(parsed.model_id)
-        return future(service.on_worker(lambda: service.forward_backward(parsed)), parsed.model_id)
+        return future(service.submit_forward_backward(parsed), parsed.model_id)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):

@@ -5,7 +5,8 @@ Training runs live on the slots of a `BankTrainer` (one LoRA bank over the serve
 base model). Every training call (create, forward/backward, optimizer step, save,
 load, unload) is queued to one worker thread and answered through a future, in the
 order the SDK sends them; so the state of a run changes only by its own calls, and a
-call that fails checks its input before it changes anything. Sampling runs in the
+call that fails checks its input before it changes anything. Forward/backward passes
+queued one after another (of one loss, from any clients) run as one batch of the bank. Sampling runs in the
 engine (`EngineLoop`) beside it: the engine's model holds a second bank whose slot 0
 is the base model and whose other slots hold the sampler weights in use (least
 recently used ones are replaced). Futures are answered by `retrieve_future` (long
@@ -14,15 +15,10 @@ fails with a clear error instead of waiting.
 """
 
 import asyncio
-import collections
-import concurrent.futures
 import dataclasses
-import itertools
 import json
 import os
-import queue
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +41,7 @@ from ..train.objectives import INPUTS, objective_config
 from . import tinker_wire as wire
 from .loop import EngineFailure, EngineLoop
 from .tinker_config import TinkerConfig
+from .tinker_futures import Batchable, Futures, TrainingWorker
 from .tinker_store import CheckpointStore, check_name, parse_path
 from .tinker_wire import BadRequest
 
@@ -65,66 +62,6 @@ class Run:
     def info(self, base: str) -> dict:
         return dict(base_model=base, rank=self.rank, train_attn=self.train_attn, train_mlp=self.train_mlp,
                     train_unembed=self.train_unembed, session_id=self.session_id, user_metadata=self.user_metadata)
-
-
-class Futures:
-    """Request ids and their futures (answered by `retrieve_future`)."""
-
-    def __init__(self, keep: int = 4096):
-        self.instance = secrets.token_hex(4)
-        self._ids = itertools.count(1)
-        self._items: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def new(self) -> tuple[str, concurrent.futures.Future]:
-        request_id = f"{self.instance}-{next(self._ids)}"
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            self._items[request_id] = future
-            while len(self._items) > self._keep:  # drop the oldest answered ones
-                oldest, f = next(iter(self._items.items()))
-                if not f.done():
-                    break
-                self._items.pop(oldest)
-        return request_id, future
-
-    def get(self, request_id: str) -> concurrent.futures.Future:
-        with self._lock:
-            future = self._items.get(request_id)
-        if future is not None:
-            return future
-        if not request_id.startswith(self.instance + "-"):
-            raise BadRequest(f"request {request_id} was made before the server restarted; its result is lost: "
-                             "send it again")
-        raise BadRequest(f"unknown request id {request_id}")
-
-
-class TrainingWorker:
-    """One thread running the training calls in order."""
-
-    def __init__(self):
-        self._inbox: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="eqx_tx-tinker-train", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
-        self._inbox.put((fn, future))
-
-    def stop(self) -> None:
-        self._inbox.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._inbox.get()) is not None:
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except BadRequest as e:
-                future.set_exception(e)
-            except Exception as e:  # noqa: BLE001 - the caller gets it; the worker serves on
-                logger.exception("a Tinker training call failed")
-                future.set_exception(e)
 
 
 @dataclasses.dataclass
@@ -156,7 +93,7 @@ class TinkerService:
         self.model_config = self.base.config
         self.store = CheckpointStore(config.state_dir)
         self.futures = Futures()
-        self.worker = TrainingWorker()
+        self.worker = TrainingWorker(self.forward_backward_batch)
         self.sessions: dict[str, float] = {}
         self.runs: dict[str, Run] = {}
         self.free_slots = list(range(trainer.slots))
@@ -297,30 +234,48 @@ class TinkerService:
                     raise BadRequest(f"data[{i}]: loss_fn_inputs[{name!r}] holds a non-finite value")
         return out
 
+    def submit_forward_backward(self, request: wire.ForwardBackward) -> str:
+        """Queue a forward/backward pass; consecutive ones of one loss (and config, and
+        direction) run as one batch, whichever clients sent them."""
+        request_id, future = self.futures.new()
+        key = (request.loss_fn, tuple(sorted(request.loss_fn_config.items())), request.forward_only)
+        self.worker.submit(Batchable(key, request, future))
+        return request_id
+
     def forward_backward(self, request: wire.ForwardBackward) -> bytes:
         """Score (and with a backward pass, accumulate gradients of) the request's datums."""
-        run = self.run(request.model_id)
-        config = objective_config(request.loss_fn, request.loss_fn_config)
-        datums = self._datums(request)
-        logprobs, losses = self.trainer.forward_backward(run.slot, datums, request.loss_fn, config,
-                                                         backward=not request.forward_only)
-        elementwise = [self._elementwise(request.loss_fn, config, d, lp) for d, lp in zip(datums, logprobs)]
-        return wire.forward_backward_output({"logprobs": logprobs, "elementwise_loss": elementwise},
-                                            {"loss:sum": float(np.sum(losses))})
+        [result] = self.forward_backward_batch([request])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-    @staticmethod
-    def _elementwise(kind: str, config: dict, d: Datum, logp: np.ndarray) -> np.ndarray:
-        """Each position's loss, recomputed on the host from the returned log-probs."""
-        import jax.numpy as jnp
-
-        from ..train.objectives import token_losses
-
-        ones = np.ones_like(logp)
-        ratio_mask = None if d.ratio_mask is None else jnp.asarray(d.ratio_mask)
-        return np.asarray(token_losses(kind, jnp.asarray(logp), jnp.asarray(ones), jnp.asarray(d.weights),
-                                       jnp.asarray(d.sampler_logprobs), jnp.asarray(d.advantages),
-                                       {k: jnp.asarray(v) for k, v in config.items()}, ratio_mask=ratio_mask),
-                          np.float32)
+    def forward_backward_batch(self, requests: list[wire.ForwardBackward]) -> list:
+        """`forward_backward` of requests of one loss in one batch of the bank: each
+        request's answer, or its own `BadRequest` (a bad request fails alone)."""
+        answers: list = [None] * len(requests)
+        slots, datums, owners = [], [], []
+        for i, request in enumerate(requests):
+            try:
+                run = self.run(request.model_id)
+                config = objective_config(request.loss_fn, request.loss_fn_config)
+                mine = self._datums(request)
+            except BadRequest as e:
+                answers[i] = e
+                continue
+            slots += [run.slot] * len(mine)
+            datums += mine
+            owners += [i] * len(mine)
+        if datums:
+            first = requests[owners[0]]
+            config = objective_config(first.loss_fn, first.loss_fn_config)
+            logprobs, losses = self.trainer.forward_backward(slots, datums, first.loss_fn, config,
+                                                             backward=not first.forward_only)
+            for i in sorted(set(owners)):
+                mine = [k for k, owner in enumerate(owners) if owner == i]
+                answers[i] = wire.forward_backward_output(
+                    {"logprobs": [logprobs[k] for k in mine], "elementwise_loss": [losses[k] for k in mine]},
+                    {"loss:sum": float(sum(np.sum(losses[k], dtype=np.float64) for k in mine))})
+        return answers
 
     def optim_step(self, model_id: str, params: dict) -> dict:
         run = self.run(model_id)

@@ -301,17 +301,23 @@ class BankTrainer:
 
     # -- steps -----------------------------------------------------------------------------
 
-    def forward_backward(self, slot: int, datums: Sequence[Datum], kind: str, config: dict[str, float], *,
-                         backward: bool = True) -> tuple[list[np.ndarray], list[float]]:
-        """Score `datums` with slot `slot` under objective `kind` (`eqx_tx.train.objectives`);
-        with `backward`, add the gradient of their summed loss to the slot's buffer.
+    def forward_backward(self, slots: int | Sequence[int], datums: Sequence[Datum], kind: str,
+                         config: dict[str, float], *, backward: bool = True
+                         ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Score `datums` under objective `kind` (`eqx_tx.train.objectives`), each with its
+        slot (`slots`: one for all, or one per datum: several runs in one batch); with
+        `backward`, add the gradient of their summed loss to each slot's buffer.
 
-        **Returns:** each datum's per-position log-probabilities and its loss (sum).
+        **Returns:** each datum's per-position log-probabilities and losses (its loss is their sum).
         """
-        self._check_slot(slot)
+        ids = [slots] * len(datums) if isinstance(slots, int) else list(slots)
+        if len(ids) != len(datums):
+            raise ValueError(f"{len(ids)} slots for {len(datums)} datums")
+        for slot in set(ids):
+            self._check_slot(slot)
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
-        rows, offsets = self._pack(slot, datums)
+        rows, offsets = self._pack(ids, datums)
         n_rows, length = rows.input_ids.shape
         group = min(n_rows, max(1, _prev_pow2(self.tokens_per_call // length)))
         total = offsets[-1]
@@ -325,10 +331,11 @@ class BankTrainer:
             source = np.asarray(part.source)
             logp_flat[source] = np.asarray(logp)  # index 0 collects the padding
             loss_flat[source] = np.asarray(per)
-        logprobs = [logp_flat[1 + offsets[i]:1 + offsets[i + 1]] for i in range(len(datums))]
-        losses = [float(np.sum(loss_flat[1 + offsets[i]:1 + offsets[i + 1]], dtype=np.float64))
-                  for i in range(len(datums))]
-        return logprobs, losses
+
+        def split(flat):
+            return [flat[1 + offsets[i]:1 + offsets[i + 1]] for i in range(len(datums))]
+
+        return split(logp_flat), split(loss_flat)
 
     def adamw_step(self, slot: int, params: AdamWParams) -> float:
         """One AdamW step of slot `slot` on its accumulated gradients, which are then
@@ -347,9 +354,9 @@ class BankTrainer:
                                                                         index, count, hp, axes=self._axes)
         return float(norm)
 
-    def _pack(self, slot: int, datums: Sequence[Datum]) -> tuple[_Rows, np.ndarray]:
-        """The datums packed into rows (`_Rows.source`: 1 + flat token index), and each
-        datum's offset into the flat token order."""
+    def _pack(self, slots: list[int], datums: Sequence[Datum]) -> tuple[_Rows, np.ndarray]:
+        """The datums packed into rows of one slot each (`_Rows.source`: 1 + flat token
+        index), and each datum's offset into the flat token order."""
         lens = np.asarray([len(d.tokens) for d in datums])
         offsets = np.concatenate([[0], np.cumsum(lens)])
         longest = int(lens.max())
@@ -372,7 +379,7 @@ class BankTrainer:
                       loss_weights=stack("weights", np.float32), lengths=lens.astype(np.int32),
                       sampler_logprobs=stack("sampler_logprobs", np.float32),
                       advantages=stack("advantages", np.float32), source=source, ratio_mask=ratio_mask,
-                      adapter_ids=np.full((B,), slot, np.int32))
+                      adapter_ids=np.asarray(slots, np.int32))
         rows, _ = pack_by_tokens(batch, length)
         assert isinstance(rows, _Rows)  # pack_by_tokens keeps the batch's class
         return rows, offsets
