@@ -144,3 +144,15 @@ def test_moments_kept_in_host_memory_give_the_same_steps(trainer):
             np.testing.assert_allclose(got[part][name], want[part][name], rtol=1e-6, atol=1e-7)
     offloaded.set_slot(1, want, count=2)  # a loaded state lands in host memory too
     assert offloaded.counts[1] == 2 and np.array_equal(offloaded.slot_state(1)["m"][name], want["m"][name])
+
+
+def test_remat_auto_chooses_a_policy_that_fits_and_scores_the_same(trainer, eqx_log):
+    copy = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, trainer.model)
+    auto = BankTrainer(copy, min_row=16, tokens_per_call=32,
+                       compute=eqx_tx.ComputeConfig(remat="auto", memory_budget_gib=1.0))
+    datums = _datums(6, "cross_entropy")[:2]
+    want, _ = trainer.forward_backward(1, datums, "cross_entropy", {}, backward=False)
+    got, _ = auto.forward_backward(1, datums, "cross_entropy", {}, backward=False)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    assert any('remat="auto" chose' in m for m in eqx_log)

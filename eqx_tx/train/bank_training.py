@@ -43,6 +43,7 @@ from .bank_optimizer import bank_axes
 from .batch import Batch, per_token
 from .loss import DEFAULT_CHUNK_SIZE, sequence_logprobs
 from .objectives import token_losses
+from .remat_auto import choose_remat, device_budget
 from .token_budget import pack_by_tokens
 
 
@@ -183,7 +184,8 @@ class BankTrainer:
     - `model`: a model with a LoRA bank (`apply_lora(..., adapters=n)`). The trainer owns
       the bank's arrays from now on: they are updated in place (donated), so the bank
       passed in is not to be used again.
-    - `compute`: attention implementation, remat policy.
+    - `compute`: attention implementation, remat policy (`"auto"`: the fastest that fits
+      the memory budget, chosen per shape of call).
     - `chunk_size`: tokens per LM-head chunk.
     - `tokens_per_call`: about how many tokens one compiled call scores (rows of one
       call: this over the row length, a power of two, at least one).
@@ -210,6 +212,7 @@ class BankTrainer:
         self._host_moments: dict[int, tuple[list, list]] = {}  # offloaded: slot -> (m, v) leaves on the host
         self.counts = [0] * self.slots
         self.compute, self.chunk_size = compute, chunk_size
+        self._resolved: dict = {}  # remat="auto": (row shape, objective, backward) -> the chosen compute
         self.tokens_per_call, self.min_row = tokens_per_call, min_row
 
     @property
@@ -326,8 +329,9 @@ class BankTrainer:
         cfg = {k: jnp.asarray(v, jnp.float32) for k, v in config.items()}
         for start in range(0, n_rows, group):
             part = jax.tree.map(lambda x: x[start:start + group], rows)
+            compute = self._compute_for(part, cfg, kind, backward)
             self.grads, logp, per = _score_rows(self.params, self.frozen, self.grads, part, cfg, kind=kind,
-                                                compute=self.compute, chunk_size=self.chunk_size, backward=backward)
+                                                compute=compute, chunk_size=self.chunk_size, backward=backward)
             source = np.asarray(part.source)
             logp_flat[source] = np.asarray(logp)  # index 0 collects the padding
             loss_flat[source] = np.asarray(per)
@@ -336,6 +340,24 @@ class BankTrainer:
             return [flat[1 + offsets[i]:1 + offsets[i + 1]] for i in range(len(datums))]
 
         return split(logp_flat), split(loss_flat)
+
+    def _compute_for(self, part: _Rows, config, kind: str, backward: bool) -> ComputeConfig:
+        """`self.compute`, with `remat="auto"` resolved for this shape of call: the fastest
+        policy whose compiled program fits the budget (`eqx_tx.train.remat_auto`), chosen
+        once per row shape, objective and direction."""
+        if self.compute.remat != "auto":
+            return self.compute
+        key = (tuple(part.input_ids.shape), kind, backward)
+        if key not in self._resolved:
+            gib = self.compute.memory_budget_gib
+            budget = int(gib * 2**30) if gib is not None else device_budget(jax.devices()[0])
+
+            def trace(compute: ComputeConfig):
+                return _score_rows.trace(self.params, self.frozen, self.grads, part, config, kind=kind,
+                                         compute=compute, chunk_size=self.chunk_size, backward=backward)
+
+            self._resolved[key], _ = choose_remat(trace, self.compute, budget)
+        return self._resolved[key]
 
     def adamw_step(self, slot: int, params: AdamWParams) -> float:
         """One AdamW step of slot `slot` on its accumulated gradients, which are then
