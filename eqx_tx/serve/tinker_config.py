@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from ..core.compute import RematPolicy
+
 
 @dataclasses.dataclass(frozen=True)
 class TinkerConfig:
@@ -20,6 +22,9 @@ class TinkerConfig:
     """Where checkpoints and their SQLite index live (kept across restarts)."""
     tokens_per_call: int = 16384
     """About how many tokens one compiled training call scores (packed rows)."""
+    remat: RematPolicy = "auto"
+    """The training programs' remat policy (auto: the fastest that fits the device's memory,
+    chosen per shape of call, as `tools/train.py --remat auto`)."""
     offload_moments: bool | None = None
     """Keep each run's AdamW moments in host memory between its steps (the device holds
     one run's at a time); None: on an accelerator with pinned host memory (TPU, GPU)."""
