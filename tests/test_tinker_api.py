@@ -52,8 +52,8 @@ class Server:
 def _start(directory: str, state_dir: str) -> Server:
     serve = load_tool("serve")
     engine = EngineConfig(max_seqs=8, max_tokens_in_cache=4096, page_size=16, prefill_chunk=64, max_top_logprobs=5)
-    tinker_config = TinkerConfig(max_adapters=12, max_lora_rank=MAX_RANK, sampler_adapters=2, state_dir=state_dir, remat="full",
-                                 tokens_per_call=1024)
+    tinker_config = TinkerConfig(max_adapters=12, max_lora_rank=MAX_RANK, sampler_adapters=2, state_dir=state_dir,
+                                 tokens_per_call=1024, remat="full")  # auto would compile every policy per shape
     loop, app = serve.build(serve.Args(model=directory, model_name="tiny", engine=engine, tinker=tinker_config,
                                        api_key=KEY, warmup=False))
     port = _free_port()
