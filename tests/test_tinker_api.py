@@ -247,6 +247,18 @@ def test_sampling_and_prompt_logprobs_equal_a_forward_pass(client, hf):
     assert [row[0][0] for row in greedy.topk_logprobs] == list(greedy.tokens)  # greedy: the top token
 
 
+def test_old_ephemeral_samplers_are_dropped_with_a_clear_error(client, served):
+    keep = served.app.state.tinker.config.snapshots_per_run
+    tc = client.create_lora_training_client(base_model="tiny", rank=2, seed=14).result()
+    samplers = [tc.save_weights_and_get_sampling_client().result() for _ in range(keep + 1)]
+    prompt = types.ModelInput.from_ints(_tokens(61, 6))
+    for sampler in samplers[1:]:  # the newest ones sample
+        assert len(sampler.compute_logprobs(prompt).result()) == 6
+    with pytest.raises(Exception, match="weights were dropped.*--snapshots-per-run"):
+        samplers[0].compute_logprobs(prompt).result()
+    client.holder.run_coroutine_threadsafe(_unload(client, tc.model_id)).result()
+
+
 def test_two_clients_stay_independent_and_state_round_trips(client, served):
     a = client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
     b = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()

@@ -18,6 +18,9 @@ class TinkerConfig:
     """LoRA alpha: adapters compute `alpha / max_lora_rank * B A x`."""
     sampler_adapters: int = 4
     """Sampler weights the engine holds at once besides the base model."""
+    snapshots_per_run: int = 4
+    """The newest `save_weights_and_get_sampling_client` snapshots of a run kept for sampling
+    (each holds one adapter in device memory; an RL loop makes one per step)."""
     state_dir: str = "runs/tinker"
     """Where checkpoints and their SQLite index live (kept across restarts)."""
     tokens_per_call: int = 16384
@@ -33,7 +36,7 @@ class TinkerConfig:
     (their client is gone) are unloaded to make room (their checkpoints stay)."""
 
     def __post_init__(self):
-        for name in ("max_adapters", "max_lora_rank", "sampler_adapters", "tokens_per_call"):
+        for name in ("max_adapters", "max_lora_rank", "sampler_adapters", "tokens_per_call", "snapshots_per_run"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
         if not self.lora_alpha > 0:

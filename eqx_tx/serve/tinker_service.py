@@ -15,10 +15,12 @@ fails with a clear error instead of waiting.
 """
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -98,7 +100,10 @@ class TinkerService:
         self.runs: dict[str, Run] = {}
         self.free_slots = list(range(trainer.slots))
         self.sampling_sessions: dict[str, str] = {}  # id -> source key
-        self._snapshots: dict[str, Any] = {}  # source key -> plain adapter model (in memory)
+        # source key -> plain adapter model in memory: a run's last `snapshots_per_run` ephemeral
+        # snapshots, and up to `sampler_adapters` saved ones (reloaded from disk when dropped)
+        self._snapshots: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._snapshots_lock = threading.Lock()
         self._slots = [_Slot() for _ in range(config.sampler_adapters)]  # engine slots 1..K
         self.max_seq_len = self.model_config.max_position_embeddings  # the longest datum that trains
 
@@ -338,8 +343,8 @@ class TinkerService:
         run = self.run(model_id)
         adapter = adapter_slot(self.trainer.model, run.slot)
         if name is None:
-            key = f"ephemeral:{uuid.uuid4()}"
-            self._snapshots[key] = adapter
+            key = f"ephemeral:{model_id}:{uuid.uuid4()}"
+            self._remember(key, adapter)
             session_id = str(uuid.uuid4())
             self.sampling_sessions[session_id] = key
             return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
@@ -348,8 +353,22 @@ class TinkerService:
                      base_model_name_or_path=self.tokenizer_id)
         path = f"tinker://{model_id}/sampler_weights/{name}"
         self.store.add(model_id, "sampler_weights", name, {"step": self.trainer.counts[run.slot]})
-        self._snapshots[path] = adapter
+        self._remember(path, adapter)
         return {"path": path, "type": "save_weights_for_sampler"}
+
+    def _remember(self, key: str, adapter) -> None:
+        """Keep `adapter` for sampling as `key`; drop what is no longer needed in memory:
+        a run's ephemeral snapshots but its last `snapshots_per_run` (an RL loop makes one per
+        step), and saved ones past `sampler_adapters` (they reload from disk)."""
+        with self._snapshots_lock:
+            self._snapshots[key] = adapter
+            self._snapshots.move_to_end(key)
+            ephemeral = key.startswith("ephemeral:")
+            prefix = key.rsplit(":", 1)[0] + ":" if ephemeral else "tinker://"
+            same = [k for k in self._snapshots if k.startswith(prefix)]
+            keep = self.config.snapshots_per_run if ephemeral else self.config.sampler_adapters
+            for old in same[:max(0, len(same) - keep)]:
+                del self._snapshots[old]
 
     # -- sampling --------------------------------------------------------------------------
 
@@ -374,10 +393,17 @@ class TinkerService:
         return session_id
 
     def _adapter_model(self, key: str):
-        if key not in self._snapshots:
-            entry = self.store.get(key)
-            self._snapshots[key] = load_adapter(self.base, entry["directory"])
-        return self._snapshots[key]
+        with self._snapshots_lock:
+            adapter = self._snapshots.get(key)
+        if adapter is not None:
+            return adapter
+        if key.startswith("ephemeral:"):
+            raise BadRequest("this sampling client's weights were dropped: the server keeps the last "
+                             f"{self.config.snapshots_per_run} of save_weights_and_get_sampling_client per training "
+                             "run (--snapshots-per-run); make a new sampling client")
+        adapter = load_adapter(self.base, self.store.get(key)["directory"])
+        self._remember(key, adapter)
+        return adapter
 
     async def _acquire(self, key: str) -> int:
         """The engine slot holding `key`'s weights (loaded now if needed), held until `_release`."""
