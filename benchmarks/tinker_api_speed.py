@@ -155,8 +155,9 @@ def main(args: Args) -> None:
 
     rows.append(("BankTrainer (a slot of the bank)", _median_seconds(bank_step, args.repeats)))
     _peak("BankTrainer")
+    cache = args.sample_batch * 2 * (args.prompt_len + args.new_tokens)
     engine = eqx_tx.Engine(sampler_model, EngineConfig(max_seqs=max(args.sample_batch, 1), page_size=16,
-                                                       max_tokens_in_cache=args.sample_batch * 2 * (args.prompt_len + args.new_tokens)))
+                                                       max_tokens_in_cache=cache))
     loop = EngineLoop(engine)
     service = TinkerService(trainer, loop, name="bench", tokenizer_id="", tokenizer=None, config=tinker_config)
     service.create_model("bench:train:0", "bench", rank=args.rank, seed=0, train_attn=True, train_mlp=True,

@@ -21,6 +21,7 @@ import uvicorn
 
 import eqx_tx
 from eqx_tx.infer.config import EngineConfig
+from eqx_tx.serve.tinker_config import TinkerConfig
 from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
 from tests.tools_util import ROOT, load_tool
@@ -224,12 +225,14 @@ def test_errors_of_any_kind_come_in_openai_format(served):
         assert path in answer.json()["error"]["message"]
 
 
-def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny):
+def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny, tmp_path):
     """`serve.build` warms the engine up: the first requests of a fresh server, with
-    new sizes (n, prompt length), compile nothing."""
+    new sizes (n, prompt length), compile nothing. (With the Tinker API on, the engine's
+    model holds the sampler bank: the base is its slot 0.)"""
     serve = load_tool("serve")
     engine = EngineConfig(max_seqs=4, max_tokens_in_cache=1024, page_size=16, prefill_chunk=32)
-    loop, _ = serve.build(serve.Args(model=trained_tiny, engine=engine))
+    tinker = TinkerConfig(max_lora_rank=4, max_adapters=1, sampler_adapters=1, state_dir=str(tmp_path))
+    loop, app = serve.build(serve.Args(model=trained_tiny, engine=engine, tinker=tinker))
     compiles = []
 
     def listener(event, *args, **kwargs):
@@ -242,10 +245,11 @@ def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny):
             done = [threading.Event() for _ in range(n)]
             for j in range(n):
                 loop.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0.5, seed=1), j,
-                            lambda e, j=j: e.finish_reason is not None and done[j].set()).result(timeout=60)
+                            lambda e, j=j: e.finish_reason is not None and done[j].set(), adapter=0).result(timeout=60)
             assert all(d.wait(60) for d in done)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        app.state.tinker.stop()
         loop.stop()
     assert compiles == []
 

@@ -225,7 +225,8 @@ class TinkerService:
                                      f"model_input has {n} tokens: expected [{n}]")
             for name, ids in (("model_input", tokens), ("target_tokens", inputs["target_tokens"])):
                 if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                    raise BadRequest(f"data[{i}]: {name} holds token id {int(ids.max() if ids.max() >= vocab else ids.min())}, "
+                    bad = int(ids.max() if ids.max() >= vocab else ids.min())
+                    raise BadRequest(f"data[{i}]: {name} holds token id {bad}, "
                                      f"outside the vocabulary [0, {vocab})")
             zeros = np.zeros(n, np.float32)
             out.append(Datum(tokens=tokens.astype(np.int32), targets=inputs["target_tokens"].astype(np.int32),

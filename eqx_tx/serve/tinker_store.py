@@ -90,8 +90,8 @@ class CheckpointStore:
         """The checkpoint at `path` (`BadRequest` if there is none)."""
         run, kind, name = parse_path(path)
         with self._lock:
-            row = self._db.execute("SELECT created, size, info FROM checkpoints WHERE run = ? AND kind = ? AND name = ?",
-                                   (run, kind, name)).fetchone()
+            row = self._db.execute("SELECT created, size, info FROM checkpoints "
+                                   "WHERE run = ? AND kind = ? AND name = ?", (run, kind, name)).fetchone()
         if row is None or not os.path.isdir(self.directory(run, kind, name)):
             raise BadRequest(f"no checkpoint at {path}")
         return self._entry(run, kind, name, *row)
