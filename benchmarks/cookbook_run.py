@@ -7,19 +7,19 @@ its users run it; `tinker-cookbook==0.5.8` installs on Python 3.11):
     ../cookbook-venv/bin/python benchmarks/cookbook_run.py --server-python .venv/bin/python \\
         --model runs/tiny/final --out benchmarks/results/tinker_cookbook
 
-The model is the tiny preset trained on stories (`tools/train.py`'s default run,
-`runs/tiny/final`; built first if `--model` does not exist). The script starts
-`tools/serve.py` (with `--server-python`: eqx_tx's environment) on it, then, through the
-cookbook's own training loops (`tinker_cookbook.supervised.train`,
+The model is this project's arithmetic warm start (`tools/train.py --data arithmetic`:
+the tiny preset trained on the 25 facts `a+b=c`, operands 0..4, written out; built first
+if `--model` does not exist), the same start `tools/grpo.py` reinforces. The script
+starts `tools/serve.py` (with `--server-python`: eqx_tx's environment) on it, then,
+through the cookbook's own training loops (`tinker_cookbook.supervised.train`,
 `tinker_cookbook.rl.train`):
 
-1. supervised fine-tuning on a local conversation file (sums of operands 0..4 asked as
-   the cookbook's arithmetic environment asks them, "What is 3 + 4?", and answered, as
-   chats rendered by the cookbook's `role_colon` renderer);
+1. supervised fine-tuning on a local conversation file (the facts asked, `a+b=`, and
+   answered, as chats rendered by the cookbook's `role_colon` renderer);
 2. RL from that checkpoint (`load_checkpoint_path`) on the cookbook's own arithmetic
-   environment (`recipes/math_rl/arithmetic_env.ArithmeticEnv`, its operands drawn from
-   0..4): reward 1 for the right sum, minus 0.1 when the answer does not end with the
-   renderer's stop sequence (`\n\nUser:`).
+   environment (`recipes/math_rl/arithmetic_env.ArithmeticEnv`, its question written
+   `a+b=` and its operands 0..4): reward 1 for the right sum, minus 0.1 when the answer
+   does not end with the renderer's stop sequence.
 
 It writes the cookbook's logs under `--out` and a summary (`summary.md`): the
 supervised loss and the RL reward over the steps.
@@ -48,7 +48,7 @@ def _conversations(path: str, n: int, seed: int) -> None:
     with open(path, "w") as f:
         for _ in range(n):
             x, y = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {x} + {y}?"},
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"{x}+{y}="},
                                              {"role": "assistant", "content": str(x + y)}]}) + "\n")
 
 
@@ -76,12 +76,18 @@ def _single_digit_builder():
     from tinker_cookbook.rl.types import RLDatasetBuilder
     from tinker_cookbook.tokenizer_utils import get_tokenizer
 
+    class Sums(ArithmeticEnv):
+        """The cookbook's arithmetic environment, its question written as the facts are."""
+
+        def get_question(self) -> str:
+            return f"{self.x}+{self.y}="
+
     class SmallSums(ArithmeticDataset):
         """The cookbook's arithmetic dataset with operands 0..MAX_OPERAND, no few-shot prefix."""
 
         def _make_env_group_builder(self, rng):
             x, y = rng.randint(0, MAX_OPERAND + 1), rng.randint(0, MAX_OPERAND + 1)
-            return ProblemGroupBuilder(env_thunk=partial(ArithmeticEnv, x, y, renderer=self.renderer),
+            return ProblemGroupBuilder(env_thunk=partial(Sums, x, y, renderer=self.renderer),
                                        num_envs=self.group_size)
 
     @chz.chz
@@ -104,10 +110,10 @@ def _single_digit_builder():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server-python", required=True, help="python of eqx_tx's environment (runs tools/serve.py)")
-    parser.add_argument("--model", default="runs/tiny/final")
+    parser.add_argument("--model", default="runs/arith/final")
     parser.add_argument("--out", default="benchmarks/results/tinker_cookbook")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--sl-epochs", type=int, default=4)
+    parser.add_argument("--sl-epochs", type=int, default=3)
     parser.add_argument("--rl-batches", type=int, default=20)
     args = parser.parse_args()
 
@@ -122,8 +128,9 @@ def main() -> None:
     model = os.path.abspath(args.model)  # served under its path: the cookbook loads the tokenizer from it
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isdir(model):
-        subprocess.run([args.server_python, os.path.join(root, "tools", "train.py"), "--output-dir",
-                        os.path.dirname(model), "--overwrite"], check=True)
+        subprocess.run([args.server_python, os.path.join(root, "tools", "train.py"), "--data", "arithmetic",
+                        "--output-dir", os.path.dirname(model), "--total-steps", "50", "--seq-len", "32",
+                        "--overwrite"], check=True)
     url = f"http://127.0.0.1:{args.port}"
     os.environ["TINKER_API_KEY"] = KEY
     os.environ["TINKER_TELEMETRY"] = "0"
@@ -154,7 +161,7 @@ def main() -> None:
         builder = _single_digit_builder()(batch_size=16, group_size=8, n_batches=args.rl_batches,
                                           model_name_for_tokenizer=model, renderer_name="role_colon")
         rl_config = rl_train.Config(learning_rate=5e-4, dataset_builder=builder, model_name=model,
-                                    recipe_name="eqx_tx_cookbook_rl", max_tokens=12, log_path=rl_log,
+                                    recipe_name="eqx_tx_cookbook_rl", max_tokens=8, log_path=rl_log,
                                     load_checkpoint_path=state_path, renderer_name="role_colon", lora_rank=16,
                                     base_url=url, eval_every=0, save_every=0)
         started = time.time()
@@ -172,7 +179,7 @@ def main() -> None:
         "# tinker-cookbook 0.5.8 against eqx_tx's Tinker API",
         "",
         f"Command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`",
-        f"Model: `{os.path.relpath(model, root)}` (the tiny preset trained on stories), LoRA rank 16, CPU.",
+        f"Model: `{os.path.relpath(model, root)}` (the tiny preset warmed up on the facts), LoRA rank 16, CPU.",
         "",
         f"Supervised (`tinker_cookbook.supervised.train`, {len(nll)} steps, {sl_seconds:.0f} s): mean NLL "
         f"{nll[0]:.3f} -> {nll[-1]:.3f} (first and last step; last 3 mean {np.mean(nll[-3:]):.3f}).",
