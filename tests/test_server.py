@@ -7,7 +7,6 @@ import concurrent.futures
 import dataclasses
 import json
 import shutil
-import socket
 import threading
 import time
 import urllib.error
@@ -17,20 +16,13 @@ import jax
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 import eqx_tx
 from eqx_tx.infer.config import EngineConfig
 from eqx_tx.serve.tinker_config import TinkerConfig
 from eqx_tx.infer.sampling import SamplingParams
 from tests.lora_util import perturbed_adapters
-from tests.tools_util import ROOT, load_tool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.tools_util import ROOT, Loopback, load_tool
 
 
 @dataclasses.dataclass
@@ -58,16 +50,10 @@ def served(trained_tiny, tmp_path_factory):
     serve = load_tool("serve")
     engine = EngineConfig(max_seqs=4, max_tokens_in_cache=2048, page_size=16, prefill_chunk=32, max_top_logprobs=5)
     loop, app = serve.build(serve.Args(model=str(directory), engine=engine, lora=(f"tiny-lora={adapter_dir}",)))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+    server = Loopback(app)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=120)
     yield Served(client, loop, eqx_tx.load_tokenizer(directory), base, tuned)
-    server.should_exit = True
-    thread.join()
+    server.stop()
     loop.stop()
 
 

@@ -6,15 +6,12 @@ input answered with errors that name the problem while nothing else changes."""
 
 import dataclasses
 import os
-import socket
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 import transformers
-import uvicorn
 
 import tinker
 from tinker import types
@@ -22,16 +19,10 @@ from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
 from eqx_tx.infer.config import EngineConfig
 from eqx_tx.serve.tinker_config import TinkerConfig
-from tests.tools_util import load_tool
+from tests.tools_util import Loopback, load_tool
 
 KEY = "tml-test-key"
 MAX_RANK = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -39,12 +30,10 @@ class Server:
     url: str
     app: object
     loop: object
-    server: object
-    thread: threading.Thread
+    http: Loopback
 
     def stop(self):
-        self.server.should_exit = True
-        self.thread.join()
+        self.http.stop()
         self.app.state.tinker.stop()
         self.loop.stop()
 
@@ -56,13 +45,8 @@ def _start(directory: str, state_dir: str) -> Server:
                                  tokens_per_call=1024, remat="full")  # auto would compile every policy per shape
     loop, app = serve.build(serve.Args(model=directory, model_name="tiny", engine=engine, tinker=tinker_config,
                                        api_key=KEY, warmup=False))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return Server(f"http://127.0.0.1:{port}", app, loop, server, thread)
+    http = Loopback(app)
+    return Server(http.url, app, loop, http)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,9 @@ import dataclasses
 import importlib.util
 import json
 import os
+import socket
+import threading
+import time
 
 import numpy as np
 
@@ -37,3 +40,24 @@ def write_token_ids(path, *, rows: int, max_len: int, vocab: int = 97, seed: int
         for _ in range(rows):
             f.write(json.dumps({"input_ids": rng.integers(0, vocab, size=int(rng.integers(5, max_len))).tolist()}) + "\n")
     return str(path)
+
+
+class Loopback:
+    """`app` served by uvicorn in a thread on a free port of 127.0.0.1 (`url`), until `stop()`."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
