@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,7 +110,14 @@ def main() -> None:
                                           compute=compute).compile().as_text()
             with open(os.path.join(args.out_dir, f"decode_b{b}_{attention}.hlo.txt"), "w") as f:
                 f.write(hlo)
-            row = {"batch": b, "attention": attention, "step_ms": round(step_ms, 2), **census(hlo)}
+            # Bytes a step must read: every weight once, the keys/values cached so far
+            # (the mean context over the steps timed), at the data sheet's 819 GB/s.
+            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+            context = args.prompt + (args.new // 4 + args.new) / 2
+            kv_bytes = b * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+            roofline_ms = 1e3 * (weight_bytes + kv_bytes) / 819e9
+            row = {"batch": b, "attention": attention, "step_ms": round(step_ms, 2),
+                   "roofline_ms": round(roofline_ms, 2), "of_roofline": f"{roofline_ms / step_ms:.0%}", **census(hlo)}
             if args.profile:
                 trace_dir = os.path.join(args.out_dir, f"trace_b{b}_{attention}")
                 with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

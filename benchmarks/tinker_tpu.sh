@@ -23,3 +23,5 @@ run train_8k python benchmarks/tinker_api_speed.py --preset qwen3-0.6b --dtype b
     --repeats 3 --tokens-per-call 32768 --offload-moments
 run service_4k_b32 python benchmarks/tinker_api_speed.py --preset qwen3-0.6b --dtype bfloat16 --batch 32 \
     --seq-len 4096 --repeats 2 --tokens-per-call 32768 --offload-moments --skip-train-step
+run service_32k python benchmarks/tinker_api_speed.py --preset qwen3-0.6b --dtype bfloat16 --batch 1 \
+    --seq-len 32768 --repeats 2 --tokens-per-call 32768 --offload-moments --skip-train-step

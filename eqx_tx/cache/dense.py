@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh, HasAxes, mesh_axis_size
+from ..kernels.decode_tpu import decode_attention_dense
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.mask import AttentionMask
 from ..kernels.quantized import Quantized
@@ -106,9 +107,16 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
         choice = select_attention(q.shape, k.shape if own_keys else self.k.shape[1:], q.dtype,
                                   cache="none" if own_keys else self.kind, q_offset=mask.q_offset, mesh=mesh,
                                   compute=compute, segmented=mask.segment_ids is not None)
-        assert choice.backend in ("cudnn", "splash", "blockwise", "xla")
+        assert choice.backend in ("cudnn", "splash", "decode_tpu", "blockwise", "xla")
         with jax.named_scope("cache_write"):
             cache = self.write(layer, k, v, positions)
+        if choice.backend == "decode_tpu":  # the stacked cache read in place, no slice of the layer
+            lengths = positions[:, 0] + 1
+            if mask.kv_lengths is not None:
+                lengths = jnp.minimum(lengths, mask.kv_lengths)
+            lengths = jnp.clip(lengths, 1, self.max_len)  # finished rows (writes dropped) read something
+            interpret = None if compute.attention == "decode_tpu" else False
+            return decode_attention_dense(q, cache.k, cache.v, layer, lengths, interpret=interpret), cache
         if own_keys:
             keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         else:

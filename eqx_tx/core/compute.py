@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 import jax
 
-AttentionImpl = Literal["auto", "cudnn", "splash", "blockwise", "xla"]
+AttentionImpl = Literal["auto", "cudnn", "splash", "decode_tpu", "blockwise", "xla"]
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttentionImpl)
 
 DecodeLayers = Literal["auto", "scan", "unrolled"]
@@ -36,7 +36,9 @@ class ComputeConfig:
     """Attention kernel: `auto` (cuDNN where it can run, else for large score tiles
     splash where it can run and blockwise where not, else xla; logged once), `cudnn`
     (GPU), `splash` (JAX's Pallas TPU kernel: causal self-attention from position 0,
-    as in training and prompt scoring), `blockwise` (pure-JAX flash) or `xla`
+    as in training and prompt scoring), `decode_tpu` (eqx_tx's Pallas TPU kernel for
+    one query per sequence over a bf16/fp32 KV cache, read in place: decoding, with
+    every other call as under `auto`; off a TPU it runs in Pallas's interpreter), `blockwise` (pure-JAX flash) or `xla`
     (materialised scores, the reference)."""
     block_q: int | None = None
     """Query tile size of the blockwise and splash kernels (`None`: the platform's

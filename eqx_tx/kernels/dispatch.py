@@ -32,11 +32,12 @@ from jaxtyping import Array, Float, Int
 from ..core.compute import AttentionImpl, ComputeConfig
 from ..core.log import log_once
 from ..core.sharding import AnyMesh, current_mesh, mesh_axis_size
+from .decode_tpu import decode_tpu_reason
 from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
 
-Backend = Literal["cudnn", "splash", "blockwise", "xla", "ring", "shared_prefix", "paged"]
+Backend = Literal["cudnn", "splash", "decode_tpu", "blockwise", "xla", "ring", "shared_prefix", "paged"]
 # What is read: no cache (a call's own keys), a dense cache (bf16/fp32 or int8), a
 # shared-prompt cache, a page pool (either dtype). Each cache kind names itself
 # (`eqx_tx.cache`).
@@ -118,6 +119,21 @@ def _splash_reason(q_shape, k_shape, cache: CacheKind, q_offset, mesh) -> str | 
     return None
 
 
+def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> str | None:
+    """Why the decode kernel cannot run here (`None` if it can)."""
+    platform = target_platform(mesh)
+    if platform != "tpu":
+        return f"backend is {platform}, not tpu"
+    if cache not in ("dense", "int8"):
+        return f"it reads a {cache} cache" if cache != "none" else "there is no KV cache"
+    if q_shape[1] != 1:
+        return f"{q_shape[1]} queries per sequence (the kernel decodes one)"
+    if mesh is not None and mesh.size > 1:
+        return f"a mesh of {mesh.size} devices"
+    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[2], heads=q_shape[2], dtype=dtype,
+                             quantized=cache == "int8")
+
+
 def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl,
             segmented: bool) -> AttentionChoice:
     T, S = q_shape[1], k_shape[1]
@@ -132,6 +148,14 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
                                             "block by block, eqx_tx.kernels.paged")
         return AttentionChoice("paged", "the page pool walked block by block, eqx_tx.kernels.paged")
+    if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
+        if cache == "dense" and T == 1:
+            reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
+            return AttentionChoice("decode_tpu", "requested" + (f" ({reason}: Pallas interpreter)" if reason else ""))
+        requested = "auto"
+    decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
+    if requested == "auto" and decode_reason is None:
+        return AttentionChoice("decode_tpu", "one query per sequence over the cache, read in place")
     if cache == "int8":
         if requested == "cudnn":
             raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
@@ -164,6 +188,8 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
             return AttentionChoice("splash", f"not cudnn because {reason}; seq={T}")
         return AttentionChoice("blockwise", f"not cudnn because {reason}, not splash because {splash_reason} "
                                             f"(q_seq={T}, kv_seq={S})")
+    if cache == "dense" and T == 1 and target_platform(mesh) == "tpu":
+        reason = f"{reason}, not decode_tpu because {decode_reason}"
     return AttentionChoice("xla", f"not cudnn because {reason}; scores {T}x{S} are small")
 
 

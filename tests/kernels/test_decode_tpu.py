@@ -1,0 +1,110 @@
+"""The decode attention kernel (Pallas TPU), run in Pallas's interpreter on CPU,
+against a plain numpy reference and against `generate` on the xla path."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_tx
+from eqx_tx.kernels import dispatch
+from eqx_tx.kernels.decode_tpu import decode_attention_blocks, decode_attention_dense, dense_block
+from tests.hf_utils import make_hf_checkpoint
+
+
+def _reference(q, k, v, lengths):
+    """Softmax attention of `q [B, N, H]` over `k, v [B, S, K, H]`'s first `lengths[b]` keys."""
+    B, N, H = q.shape
+    G = N // k.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(B):
+        for n in range(N):
+            keys, values = k[b, :lengths[b], n // G].astype(np.float64), v[b, :lengths[b], n // G].astype(np.float64)
+            s = keys @ q[b, n].astype(np.float64) / np.sqrt(H)
+            p = np.exp(s - s.max())
+            out[b, n] = p / p.sum() @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block", [64, 256])
+def test_dense_cache_read_in_place_equals_the_reference(dtype, block):
+    """Layer 1 of a 3-layer stacked cache; lengths inside a block, at a block's edge,
+    the whole cache and a single key."""
+    L, B, S, K, H, N = 3, 4, 256, 8, 128, 16
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((L, B, S, K, H)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), dtype)
+    lengths = np.array([1, 100, S, block + 1])
+    out = decode_attention_dense(q, k, v, jnp.asarray(1), jnp.asarray(lengths), block=block, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    want = _reference(np.asarray(q[:, 0], np.float32), np.asarray(k[1], np.float32), np.asarray(v[1], np.float32),
+                      lengths)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out[:, 0], np.float32), want, atol=tol)
+
+
+def test_blocks_through_a_table_equal_the_reference():
+    """A pool of shuffled pages: each sequence's keys are gathered through its table
+    (entries past its length point anywhere, even outside the pool)."""
+    L, pages, page, K, H, N = 2, 12, 16, 8, 128, 16
+    rng = np.random.default_rng(1)
+    k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) for _ in range(2))
+    order = rng.permutation(pages)
+    table = np.array([order[:4], order[4:8], np.r_[order[8:10], pages, pages]])
+    lengths = np.array([64, 33, 20])
+    q = rng.standard_normal((3, N, H)).astype(np.float32)
+    out = decode_attention_blocks(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(0), jnp.asarray(table),
+                                  jnp.asarray(lengths), interpret=True)
+    gathered = lambda x: np.stack([x[0, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
+    np.testing.assert_allclose(np.asarray(out), _reference(q, gathered(k), gathered(v), lengths), atol=1e-5)
+
+
+def test_dense_block_divides_the_cache():
+    assert dense_block(4096) == 512 and dense_block(640) == 128 and dense_block(576) == 64 and dense_block(100) == 4
+
+
+def _choose(q=(64, 1, 16, 128), k=(64, 1024, 8, 128), cache="dense", dtype=jnp.bfloat16, **compute):
+    return dispatch.select_attention(q, k, dtype, cache=cache, q_offset=jnp.zeros(q[0], jnp.int32), mesh=None,
+                                     compute=eqx_tx.ComputeConfig(**compute))
+
+
+def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
+    assert _choose().backend == "xla"  # on CPU
+    monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "tpu")  # as compiling for a TPU
+    assert _choose().backend == "decode_tpu"
+    assert _choose(attention="xla").backend == "xla"
+    for kw, why in [(dict(q=(64, 4, 16, 128)), "4 queries per sequence"), (dict(k=(64, 1024, 2, 128)), "2 kv heads"),
+                    (dict(q=(64, 1, 16, 64), k=(64, 1024, 8, 64)), "head_dim 64")]:
+        choice = _choose(**kw)
+        assert choice.backend != "decode_tpu" and (why in choice.reason or kw.get("q", (0, 1))[1] != 1), choice
+    assert _choose(cache="int8").backend == "blockwise"  # int8 stays blockwise (logged)
+    assert _choose(q=(64, 4, 16, 128), attention="decode_tpu").backend == "xla"  # not decoding: as under auto
+    monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "cpu")
+    assert "Pallas interpreter" in _choose(attention="decode_tpu").reason
+
+
+def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch):
+    """Greedy and sampled tokens and their log-probs from `generate` with every decode
+    step's attention on the kernel (interpreted) equal those of the xla path; prompts
+    of different lengths, `n=2` samples each."""
+    from eqx_tx.cache import dense
+
+    calls = []
+    monkeypatch.setattr(dense, "decode_attention_dense",
+                        lambda *a, **kw: calls.append(a[1].shape) or decode_attention_dense(*a, **kw))
+    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = eqx_tx.load(path, progress=False)
+    prompts = [[5, 6, 7], list(range(10, 30))]
+    params = [eqx_tx.SamplingParams(max_new_tokens=12, temperature=0.0),
+              eqx_tx.SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)]
+
+    def run(attention):
+        return eqx_tx.generate(model, prompts, params, n=2, share_prefix=False,
+                               compute=eqx_tx.ComputeConfig(attention=attention))
+
+    want, got = run("xla"), run("decode_tpu")
+    assert calls and all(shape[:2] == (2, 4) for shape in calls)  # [layers, batch, ...]: the whole stack
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
