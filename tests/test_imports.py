@@ -25,7 +25,7 @@ SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
     {"core": _names("eqx_tx.core", "log", "util", "fileio", "tree", "compute", "sharding", "distributed", "flops", "runlog",
                     "hlo", "memory_figures")},
     {"kernels": _names("eqx_tx.kernels", "mask", "quantized", "flash", "ring", "splash", "sdpa", "shared_prefix",
-                       "paged", "dispatch", "grouped_ffn", "topk")},
+                       "paged", "decode_tpu", "dispatch", "grouped_ffn", "topk")},
     {"cache": _names("eqx_tx.cache", "storage", "base", "dense", "shared_prefix", "paged", "allocate")},
     {"layers": _names("eqx_tx.layers", "linear", "norm", "rope", "inputs", "attention", "mlp", "moe", "block",
                       "lora")},

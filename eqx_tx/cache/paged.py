@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh, HasAxes
+from ..kernels.decode_tpu import decode_attention_blocks
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.mask import AttentionMask
 from ..kernels.paged import paged_attention
@@ -65,7 +66,7 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
 
     @property
     def kind(self) -> CacheKind:
-        return "paged"
+        return "paged_int8" if self.quantized else "paged"
 
     @property
     def num_pages(self) -> int:
@@ -107,9 +108,16 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
     def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                mesh: AnyMesh | None):
         """Write into the sequences' pages, then attend over them (`paged_attention`)."""
-        select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
-                         compute=compute, segmented=mask.segment_ids is not None)
+        choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
+                                  compute=compute, segmented=mask.segment_ids is not None)
         assert mask.kv_lengths is not None
         with jax.named_scope("cache_write"):
             cache = self.write(layer, k, v, positions)
+        if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
+            lengths = jnp.clip(jnp.minimum(positions[:, 0] + 1, mask.kv_lengths), 1,
+                               self.page_table.shape[1] * self.page_size)
+            interpret = None if compute.attention == "decode_tpu" else False
+            o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
+                                        interpret=interpret)
+            return o[:, None], cache
         return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache

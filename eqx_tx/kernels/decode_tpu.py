@@ -86,7 +86,14 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         o_ref[...] = (acc_ref[...] / l_ref[...][:, :1]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+def _interpret(interpret: bool | None) -> bool:
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+        if interpret:
+            log_once(f"decode attention kernel in Pallas's interpreter (backend is {jax.default_backend()})")
+    return interpret
+
+
 def decode_attention_blocks(
     q: Float[Array, "batch heads head_dim"],
     k: Float[Array, "layers blocks block kv_heads head_dim"],
@@ -95,7 +102,7 @@ def decode_attention_blocks(
     table: Int[Array, "batch blocks_per_seq"],
     lengths: Int[Array, " batch"],
     *,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Float[Array, "batch heads head_dim"]:
     """Attention of one query per sequence over its blocks of layer `layer`.
 
@@ -107,10 +114,16 @@ def decode_attention_blocks(
     - `table`: sequence `b`'s blocks in order; only the first
       `ceil(lengths[b] / block)` are read (later entries may be anything).
     - `lengths`: sequence `b` attends to its keys `[0, lengths[b])`, at least 1.
-    - `interpret`: run in Pallas's interpreter (any backend; tests).
+    - `interpret`: run in Pallas's interpreter (any backend; tests); `None`: off a
+      TPU only (logged once).
 
     **Returns:** the attention output, like `q`.
     """
+    return _blocks(q, k, v, layer, table, lengths, interpret=_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _blocks(q, k, v, layer, table, lengths, *, interpret: bool):
     B, N, H = q.shape
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
@@ -164,12 +177,8 @@ def decode_attention_dense(
     """`decode_attention_blocks` over layer `layer` of a dense stacked cache, read in
     place in blocks of `dense_block(max_len, block)` tokens.
 
-    `interpret`: `None` runs Pallas's interpreter off a TPU (logged once).
+    `interpret`: as for `decode_attention_blocks`.
     """
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
-        if interpret:
-            log_once(f"decode attention kernel in Pallas's interpreter (backend is {jax.default_backend()})")
     L, B, S, K, H = k.shape
     blk = dense_block(S, block)
     blocks = k.reshape(L, B * (S // blk), blk, K, H), v.reshape(L, B * (S // blk), blk, K, H)

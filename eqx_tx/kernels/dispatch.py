@@ -41,7 +41,7 @@ Backend = Literal["cudnn", "splash", "decode_tpu", "blockwise", "xla", "ring", "
 # What is read: no cache (a call's own keys), a dense cache (bf16/fp32 or int8), a
 # shared-prompt cache, a page pool (either dtype). Each cache kind names itself
 # (`eqx_tx.cache`).
-CacheKind = Literal["none", "dense", "int8", "shared_prefix", "paged"]
+CacheKind = Literal["none", "dense", "int8", "shared_prefix", "paged", "paged_int8"]
 
 # Under "auto", queries*keys at or above this use blockwise instead of xla.
 AUTO_BLOCKWISE_MIN_SCORES = 512 * 512
@@ -124,14 +124,14 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> str | Non
     platform = target_platform(mesh)
     if platform != "tpu":
         return f"backend is {platform}, not tpu"
-    if cache not in ("dense", "int8"):
+    if cache not in ("dense", "int8", "paged", "paged_int8"):
         return f"it reads a {cache} cache" if cache != "none" else "there is no KV cache"
     if q_shape[1] != 1:
         return f"{q_shape[1]} queries per sequence (the kernel decodes one)"
     if mesh is not None and mesh.size > 1:
         return f"a mesh of {mesh.size} devices"
-    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[2], heads=q_shape[2], dtype=dtype,
-                             quantized=cache == "int8")
+    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype,
+                             quantized=cache in ("int8", "paged_int8"))
 
 
 def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl,
@@ -143,8 +143,13 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
     if cache == "shared_prefix":
         return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp")
-    if cache == "paged":
-        if requested != "auto":
+    if cache in ("paged", "paged_int8"):
+        if requested in ("auto", "decode_tpu") and T == 1:
+            reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
+            if reason is None or requested == "decode_tpu":
+                return AttentionChoice("decode_tpu", "one query per sequence, the pool's pages read in place"
+                                       + (f" (requested; {reason}: Pallas interpreter)" if reason else ""))
+        if requested not in ("auto", "decode_tpu"):
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
                                             "block by block, eqx_tx.kernels.paged")
         return AttentionChoice("paged", "the page pool walked block by block, eqx_tx.kernels.paged")

@@ -108,3 +108,22 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch):
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+
+
+def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monkeypatch):
+    """The engine's decode steps read the pool's pages in place (kernel interpreted);
+    every request equals `generate` alone on the xla path, with requests waiting for
+    pages and arriving while others run (the page tables change under the kernel)."""
+    from eqx_tx.cache import paged
+    from tests.test_engine import _assert_equal_to_generate, _workload
+
+    calls = []
+    monkeypatch.setattr(paged, "decode_attention_blocks",
+                        lambda *a, **kw: calls.append(a[1].shape) or decode_attention_blocks(*a, **kw))
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    requests = _workload(model.config.vocab_size, seed=0)[:6]
+    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=8, prefill_chunk=16,
+                           compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
+    results = engine.run(requests)
+    assert calls and engine.stats()["preemptions"] > 0
+    _assert_equal_to_generate(model, requests, results)

@@ -1,0 +1,75 @@
+"""The engine on an accelerator: generated tokens/s of `--requests` requests through
+`eqx_tx.Engine`, for each attention setting and page size, beside the bandwidth roofline.
+
+Qwen3-0.6B shape, random bf16 weights; every request has a `--prompt`-token random
+prompt and `--new` new tokens (greedy, no stop token); `--max-seqs` slots and a pool
+that holds them all. One run compiles (`Engine.warmup` and a first run), the next is
+timed. The roofline is the decode steps' alone: `requests * new` tokens in steps of
+`max_seqs` rows, each step reading every weight once and the rows' live keys/values
+(mean context `prompt + new / 2`) at the data sheet's 819 GB/s; the measured time
+includes the prefill, so the share is a lower bound.
+
+    python benchmarks/engine_tpu.py --attentions auto xla --page-sizes 16 128
+"""
+
+import dataclasses
+import json
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+import eqx_tx
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.models.presets import preset
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    preset: str = "qwen3-0.6b"
+    requests: int = 64
+    max_seqs: int = 64
+    prompt: int = 512
+    new: int = 256
+    attentions: tuple[str, ...] = ("auto", "xla")
+    page_sizes: tuple[int, ...] = (16, 128)
+    bandwidth_gbs: float = 819.0
+
+
+def main(args: Args) -> None:
+    eqx_tx.enable_console_logging()
+    cfg = preset(args.preset)
+    model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    requests = [(rng.integers(0, cfg.vocab_size, args.prompt).tolist(),
+                 SamplingParams(max_new_tokens=args.new, stop_token_ids=())) for _ in range(args.requests)]
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    rows = min(args.max_seqs, args.requests)
+    step_s = (weight_bytes + rows * (args.prompt + args.new / 2) * kv_per_token) / (args.bandwidth_gbs * 1e9)
+    roofline = rows / step_s
+    for attention in args.attentions:
+        for page in args.page_sizes:
+            engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page,
+                                   max_tokens_in_cache=rows * (args.prompt + args.new + page),
+                                   compute=eqx_tx.ComputeConfig(attention=attention))  # type: ignore[arg-type]
+            t = time.perf_counter()
+            engine.warmup()
+            engine.run(requests)
+            compile_s = time.perf_counter() - t
+            t = time.perf_counter()
+            results = engine.run(requests)
+            seconds = time.perf_counter() - t
+            generated = sum(len(r.tokens) for r in results)
+            row = {"attention": attention, "page_size": page, "requests": args.requests, "max_seqs": args.max_seqs,
+                   "prompt": args.prompt, "new": args.new, "tokens_per_s": round(generated / seconds),
+                   "decode_roofline_tokens_per_s": round(roofline), "of_roofline": f"{generated / seconds / roofline:.0%}",
+                   "first_run_s": round(compile_s, 1)}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
