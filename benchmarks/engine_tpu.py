@@ -53,7 +53,7 @@ def main(args: Args) -> None:
     roofline = rows / step_s
     for attention in args.attentions:
         for page in args.page_sizes:
-            engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page,
+            engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page, max_seq_len=args.prompt + args.new,
                                    max_tokens_in_cache=rows * (args.prompt + args.new + page),
                                    compute=eqx_tx.ComputeConfig(attention=attention))  # type: ignore[arg-type]
             t = time.perf_counter()

@@ -136,9 +136,12 @@ def _blocks(q, k, v, layer, table, lengths, *, interpret: bool):
 
     kv_spec = pl.BlockSpec((None, None, block, K, H), kv_index)
     q_spec = pl.BlockSpec((None, N, H), lambda b, j, *_: (b, 0, 0))
+    # The grid walks the longest sequence's blocks, not the table's width (a dynamic
+    # bound: an engine's tables are as wide as its longest allowed sequence).
+    steps = jnp.clip((jnp.max(lengths) + block - 1) // block, 1, P)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(B, P),
+        grid=(B, steps),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=q_spec,
         scratch_shapes=[pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32),
