@@ -118,6 +118,41 @@ def test_cached_prefix_pages_are_shared_and_exact(checkpoints):
     assert stats["pages_in_use"] == 0 and stats["pages_cached"] > 0
 
 
+def test_prompt_scores_come_out_of_the_prefill_after_the_cached_prefix(checkpoints):
+    """A request that asks for its prompt's last `n` tokens scored (log-probs and top-k)
+    gets what `prompt_scores` (a forward pass, checked against HF elsewhere) gives,
+    computing only from the last cached page before them: a 40-token prompt sampled
+    first leaves 4 full pages of 8 cached; scoring its last 5 tokens reuses 4 pages,
+    its last 12 reuses 3 (positions 27-38 are scored), all of them none. Another
+    request running beside them is untouched (equal to `generate`)."""
+    from eqx_tx.infer.prompt_scores import prompt_scores
+
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, model.config.vocab_size, size=40).tolist()
+    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=256, page_size=8, prefill_chunk=16)
+    first = engine.run([(prompt, SamplingParams(max_new_tokens=3))])[0]
+    assert first.prompt_scores is None
+    for n, k, cached in ((5, 3, 32), (12, 0, 24), (39, 2, 0)):
+        before = engine.stats()["cached_tokens"]
+        other = (rng.integers(0, model.config.vocab_size, size=13).tolist(), SamplingParams(max_new_tokens=7))
+        ids = [engine.add(prompt, SamplingParams(max_new_tokens=3), score_last_n=n, score_top_k=k),
+               engine.add(*other)]
+        while engine.has_work():
+            engine.step()
+        got, beside = engine.result(ids[0]), engine.result(ids[1])
+        assert engine.stats()["cached_tokens"] - before == cached, n
+        want = prompt_scores(model, prompt, last_n=n, top_k=k)
+        np.testing.assert_allclose(got.prompt_scores.logprobs, want[0], atol=1e-5)
+        assert got.prompt_scores.top_ids.shape == (n, k)
+        np.testing.assert_array_equal(got.prompt_scores.top_ids, want[1])
+        np.testing.assert_allclose(got.prompt_scores.top_logprobs, want[2], atol=1e-5)
+        assert got.tokens == first.tokens
+        _assert_equal_to_generate(model, [other], [beside])
+    with pytest.raises(ValueError, match="can score 1 to 39 tokens of a 40-token prompt"):
+        engine.add(prompt, score_last_n=40)
+
+
 def _bank(model, adapters: int):
     """`model` with a bank of `adapters` LoRA adapters that all differ (B randomised)."""
     bank = eqx_tx.apply_lora(model, rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "down_proj"),

@@ -116,13 +116,17 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), *, sample: int = 0,
-            adapter: int | None = None) -> int:
+            adapter: int | None = None, score_last_n: int | None = None, score_top_k: int = 0) -> int:
         """Queue a request; returns its id. `sample`: which of a prompt's `n` samples it
         is (its seed stream, as `generate(..., n=n)`); samples of one prompt share its
         cached pages. `adapter`: for a model with a LoRA bank, the adapter the request
-        runs with (required then). Raises `ValueError` for a request the engine can
-        never hold (longer than `max_seq_len`, or needing more pages than the pool) or
-        a missing or unknown adapter."""
+        runs with (required then). `score_last_n`: also score the prompt's last
+        `score_last_n` tokens, each with its `score_top_k` most likely alternatives
+        (the result's `prompt_scores`): the prefill computes them on its way, and the
+        prefix before them comes from the prefix cache where it holds it. Raises
+        `ValueError` for a request the engine can never hold (longer than `max_seq_len`,
+        or needing more pages than the pool), a missing or unknown adapter, or tokens to
+        score that the prompt does not have."""
         [prompt], [params] = check_requests(self.model.config, [prompt_ids], [params], 1, None)
         if self._bank or adapter is not None:
             check_adapter_ids(self.model, None if adapter is None else np.asarray([adapter]), 1, name="adapter")
@@ -131,7 +135,8 @@ class Engine:
             raise ValueError(f"request needs {len(prompt)} prompt + {params.max_new_tokens} new tokens = {total}, "
                              f"more than the engine's max_seq_len {self.max_seq_len}")
         stop = params.stop_token_ids if params.stop_token_ids is not None else self.model.config.eos_token_ids
-        return self.scheduler.add(prompt, params, sample=sample, adapter=adapter, stop=stop)
+        score = None if score_last_n is None else (score_last_n, score_top_k)
+        return self.scheduler.add(prompt, params, sample=sample, adapter=adapter, stop=stop, score=score)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -185,7 +190,7 @@ class Engine:
         **Returns:** the new tokens, one event per running request."""
         plan = self.scheduler.schedule()
         if plan.prefill is not None:
-            self.runner.prefill(plan.prefill)
+            self.scheduler.finish_prefill(plan.prefill, self.runner.prefill(plan.prefill))
         if plan.decode is None:
             return []
         tokens, logprobs, top = self.runner.decode(plan.decode)

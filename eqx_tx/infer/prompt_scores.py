@@ -22,13 +22,12 @@ from ..models import CausalLM
 CHUNK = 256
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "compute", "chunk"))
-def _scores(model: CausalLM, ids: Int[Array, "1 seq"], length, targets: Int[Array, " n"], starts, *,
-            top_k: int, compute: ComputeConfig, chunk: int):
-    T = ids.shape[1]
-    out = model.hidden_states(ids, positions=jnp.arange(T, dtype=jnp.int32)[None], mask=AttentionMask(length[None], 0),
-                              compute=compute)
-    hidden = jnp.take(out.hidden[0], starts, axis=0, mode="clip")  # [n, embed]: the positions scored
+def score_hidden(
+    model: CausalLM, hidden: Float[Array, "n embed"], targets: Int[Array, " n"], *, top_k: int, chunk: int
+) -> tuple[Float[Array, " n"], Int[Array, "n k"], Float[Array, "n k"]]:
+    """Log-probs of `targets` after each hidden state, and the `top_k` most likely
+    tokens with theirs, through the LM head `chunk` rows at a time (`n % chunk == 0`;
+    at most one `[chunk, vocab]` float32 tile at a time)."""
     n = hidden.shape[0]
     weight = model.head_weight()
 
@@ -44,6 +43,16 @@ def _scores(model: CausalLM, ids: Int[Array, "1 seq"], length, targets: Int[Arra
 
     logp, top_ids, top_logp = jax.lax.map(one, (hidden.reshape(n // chunk, chunk, -1), targets.reshape(-1, chunk)))
     return logp.reshape(n), top_ids.reshape(n, top_k), top_logp.reshape(n, top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "compute", "chunk"))
+def _scores(model: CausalLM, ids: Int[Array, "1 seq"], length, targets: Int[Array, " n"], starts, *,
+            top_k: int, compute: ComputeConfig, chunk: int):
+    T = ids.shape[1]
+    out = model.hidden_states(ids, positions=jnp.arange(T, dtype=jnp.int32)[None], mask=AttentionMask(length[None], 0),
+                              compute=compute)
+    hidden = jnp.take(out.hidden[0], starts, axis=0, mode="clip")  # [n, embed]: the positions scored
+    return score_hidden(model, hidden, targets, top_k=top_k, chunk=chunk)
 
 
 def _bucket(n: int, least: int) -> int:

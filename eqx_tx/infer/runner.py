@@ -36,15 +36,17 @@ class Runner:
             self.cache, self.logits = commit((cache, zero_logits(max_seqs, model.config.vocab_size)))
         self._sampler: tuple[tuple, SamplerArrays] | None = None  # (running ids, rows) -> their sampler
 
-    def prefill(self, batch: PrefillBatch) -> None:
+    def prefill(self, batch: PrefillBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Write one chunk of each planned context into the pool; a context that ends in
-        it sets its slot's next-token logits."""
+        it sets its slot's next-token logits. Returns the scores of the positions
+        `batch.targets` names (host arrays, `[P, C]`, `[P, C, top_k]` twice), or `None`."""
         with mesh_context(self.model):
-            self.cache, self.logits = paged_prefill_chunk(
+            self.cache, self.logits, scores = paged_prefill_chunk(
                 self.model, self.cache, self.logits, jnp.asarray(batch.rows), jnp.asarray(batch.table),
                 jnp.asarray(batch.tokens), jnp.asarray(batch.start), jnp.asarray(batch.length),
-                _maybe(batch.adapters), compute=self.compute,
+                _maybe(batch.adapters), _maybe(batch.targets), compute=self.compute, top_k=batch.top_k,
             )
+        return None if scores is None else tuple(to_host(x) for x in scores)
 
     def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """Sample one token for every planned row and feed it. Returns the tokens and

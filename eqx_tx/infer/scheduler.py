@@ -11,7 +11,9 @@ so it is tested on its own. Each `schedule()`:
    go on where it stopped, so a full pool makes requests wait, never fail;
 2. plans one prefill chunk (`prefill_chunk` positions) of each of the `prefill_rows`
    oldest admitted requests, starting after the longest prefix whose pages are
-   cached from earlier requests (`eqx_tx.infer.page_pool`);
+   cached from earlier requests (`eqx_tx.infer.page_pool`) and that ends before the
+   prompt tokens the request asked to have scored (`score`: their log-probs come
+   out of the prefill chunks that compute them);
 3. plans one decode step for every running request, handing out pages as they fill.
 
 It returns a `StepPlan` of padded numpy arrays (a few power-of-two shapes, so little
@@ -28,7 +30,7 @@ import numpy as np
 from ..core.util import ceil_div
 from .page_pool import PagePool
 from .sampling import SamplingParams
-from .steps import STOP_REASONS, Generation
+from .steps import STOP_REASONS, Generation, PromptScores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,12 @@ class Request:
     prefilled: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    score: tuple[int, int] | None = None  # (last n prompt tokens, top k) to score
+    scores: dict[int, tuple] = dataclasses.field(default_factory=dict)  # position -> (logp, top ids, top logps)
+
+    @property
+    def scores_missing(self) -> bool:
+        return self.score is not None and len(self.scores) < self.score[0]
 
     @property
     def running(self) -> bool:
@@ -89,6 +97,9 @@ class PrefillBatch:
     start: np.ndarray  # [P] the chunk's first position
     length: np.ndarray  # [P] the context's length
     adapters: np.ndarray | None  # [P] each context's adapter of a bank
+    requests: tuple[Request, ...] = ()  # the contexts of the first rows
+    targets: np.ndarray | None = None  # [P, C] the token each position is scored on (-1: not scored); None: none is
+    top_k: int = 0  # alternatives scored per position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,13 +151,18 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def add(self, prompt: list[int], params: SamplingParams, *, sample: int, adapter: int | None,
-            stop: Sequence[int]) -> int:
-        """Queue a checked request; returns its id. Raises `ValueError` if the pool can
-        never hold it."""
+            stop: Sequence[int], score: tuple[int, int] | None = None) -> int:
+        """Queue a checked request; returns its id. `score = (n, k)`: also score its
+        last `n` prompt tokens, with `k` alternatives each (its result's
+        `prompt_scores`). Raises `ValueError` if the pool can never hold it or `n` is
+        not in `[1, len(prompt) - 1]`."""
         need = ceil_div(len(prompt) + params.max_new_tokens, self.page_size)
         if need > self.num_pages:
             raise ValueError(f"request needs {need} pages of {self.page_size} tokens; the pool has {self.num_pages}")
-        request = Request(self.next_id, prompt, params, sample, adapter, frozenset(stop), need)
+        if score is not None and not (1 <= score[0] <= len(prompt) - 1 and score[1] >= 0):
+            raise ValueError(f"can score 1 to {len(prompt) - 1} tokens of a {len(prompt)}-token prompt (with k >= 0 "
+                             f"alternatives), asked for {score[0]} (k={score[1]})")
+        request = Request(self.next_id, prompt, params, sample, adapter, frozenset(stop), need, score=score)
         self.next_id += 1
         self.waiting.append(request)
         return request.id
@@ -196,6 +212,19 @@ class Scheduler:
         """Admit, plan one prefill chunk and one decode step (module docstring)."""
         self._admit()
         return StepPlan(self._plan_prefill(), self._plan_decode())
+
+    def finish_prefill(self, batch: PrefillBatch, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
+        """Record the scores a prefill chunk computed (`[P, C]`, `[P, C, k]` twice; see
+        `PrefillBatch.targets`) on the requests that asked for them."""
+        if batch.targets is None or scores is None:
+            return
+        logp, top_ids, top_logp = scores
+        for i, r in enumerate(batch.requests):
+            if r.score is None:
+                continue
+            k = r.score[1]
+            for c in np.flatnonzero(batch.targets[i] >= 0):
+                r.scores[int(batch.start[i]) + int(c)] = (float(logp[i, c]), top_ids[i, c, :k], top_logp[i, c, :k])
 
     def finish_step(self, batch: DecodeBatch, tokens: np.ndarray, logprobs: np.ndarray,
                     top: tuple[np.ndarray, np.ndarray] | None = None) -> list[TokenEvent]:
@@ -249,12 +278,19 @@ class Scheduler:
         request.pages.append(page)
         request.promised -= 1
 
+    def _prefix_limit(self, request: Request) -> int:
+        """The most leading pages `request` may take from the cache: its last context
+        token is always computed (its logits are needed), and so are the prompt
+        positions it asked to have scored (until they are)."""
+        limit = (len(request.context) - 1) // self.page_size
+        if request.score is not None and request.scores_missing:
+            limit = min(limit, (len(request.prompt) - 1 - request.score[0]) // self.page_size)
+        return limit
+
     def _reuse_prefix(self, request: Request) -> None:
-        """Start `request` after its longest cached prefix (its last prompt token is
-        always computed: its logits are needed)."""
+        """Start `request` after its longest cached prefix (`_prefix_limit`)."""
         assert request.slot is not None
-        shared = self.pool.share(request.context, (len(request.context) - 1) // self.page_size,
-                                 namespace=request.namespace)
+        shared = self.pool.share(request.context, self._prefix_limit(request), namespace=request.namespace)
         request.looked_up, request.pages, request.promised = True, shared, request.promised - len(shared)
         self.table[request.slot, : len(shared)] = shared
         request.prefilled = len(shared) * self.page_size
@@ -265,7 +301,7 @@ class Scheduler:
         """Whether one of `others` (being prefilled) is computing full pages of
         `request`'s prefix that the cache does not hold yet: then `request` waits for
         them and shares them instead of computing them again."""
-        ps, limit = self.page_size, (len(request.context) - 1) // self.page_size
+        ps, limit = self.page_size, self._prefix_limit(request)
         cached = self.pool.cached_pages(request.context, limit, namespace=request.namespace)
         for other in others:
             if other.namespace != request.namespace:
@@ -300,9 +336,14 @@ class Scheduler:
         table = np.full((P, self.table.shape[1]), self.num_pages, np.int32)
         tokens = np.zeros((P, C), np.int32)
         start, length = np.zeros((P,), np.int32), np.ones((P,), np.int32)
+        scoring = [r for r in pending if r.scores_missing]
+        targets = np.full((P, C), -1, np.int32) if scoring else None
         for i, r in enumerate(pending):
             assert r.slot is not None
             end = min(r.prefilled + C, len(r.context))
+            if targets is not None and r.score is not None and r.scores_missing:  # position t: on token t + 1
+                for t in range(max(r.prefilled, len(r.prompt) - 1 - r.score[0]), min(end, len(r.prompt) - 1)):
+                    targets[i, t - r.prefilled] = r.prompt[t + 1]
             while len(r.pages) * self.page_size < end:
                 self._take_page(r)  # (promised on admission)
             tokens[i, : end - r.prefilled] = r.context[r.prefilled : end]
@@ -312,7 +353,9 @@ class Scheduler:
         for r in pending:
             if r.running:
                 self.pool.register(r.context, r.pages, namespace=r.namespace)  # later requests may share them
-        return PrefillBatch(rows, table, tokens, start, length, self._adapter_ids(pending, P))
+        top_k = max((r.score[1] for r in scoring if r.score is not None), default=0)
+        return PrefillBatch(rows, table, tokens, start, length, self._adapter_ids(pending, P), tuple(pending), targets,
+                            top_k)
 
     def _plan_decode(self) -> DecodeBatch | None:
         running = sorted((r for r in self.slots if r is not None and r.running), key=lambda r: r.admitted)
@@ -355,4 +398,10 @@ class Scheduler:
         self._release(request)
         if reason is not None:
             assert reason in STOP_REASONS
-            self.finished[request.id] = Generation(request.tokens, request.logprobs, reason)
+            scores = None
+            if request.score is not None:
+                rows, k = [request.scores[t] for t in sorted(request.scores)], request.score[1]
+                scores = PromptScores(np.asarray([r[0] for r in rows], np.float32),
+                                      np.asarray([r[1] for r in rows], np.int32).reshape(len(rows), k),
+                                      np.asarray([r[2] for r in rows], np.float32).reshape(len(rows), k))
+            self.finished[request.id] = Generation(request.tokens, request.logprobs, reason, scores)

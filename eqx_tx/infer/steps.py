@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..cache.base import AbstractCache
 from ..cache.paged import PagedKVCache
@@ -21,6 +22,8 @@ from ..core.sharding import constrain
 from ..kernels.mask import AttentionMask
 from ..layers.lora import select_adapters
 from ..models import CausalLM
+from .prompt_scores import CHUNK as SCORE_CHUNK
+from .prompt_scores import score_hidden
 from .sampling import SamplerArrays, SamplingParams, sample_batch
 
 STOP_REASONS = ("running", "stop", "length")
@@ -34,6 +37,18 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+    prompt_scores: "PromptScores | None" = None  # asked for with the request (`Engine.add(score_last_n=...)`)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """The last `n` prompt tokens' log-probs given the tokens before each, and the
+    `k` most likely tokens at each of those positions with their log-probs (host
+    arrays, `[n]`, `[n, k]`, `[n, k]`; under the model's unmodified distribution)."""
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 def check_requests(config, prompts, params, n: int, prefill_chunk_size) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -78,14 +93,19 @@ def decode_one(model: CausalLM, cache: AbstractCache, token, positions, mask: At
     return out.cache, last_token_logits(model, out.hidden[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames="compute", donate_argnames=("cache", "logits"))
-def paged_prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, table, tokens, start, length, adapters, *,
-                   compute: ComputeConfig):
+@functools.partial(jax.jit, static_argnames=("compute", "top_k"), donate_argnames=("cache", "logits"))
+def paged_prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, table, tokens, start, length, adapters,
+                        targets=None, *, compute: ComputeConfig, top_k: int = 0):
     """Positions `[start[i], start[i] + C)` of `P` contexts (`tokens [P, C]`, real up to
     `length[i]`) into their pages (`table [P, pages_per_seq]`; padding rows: unallocated).
     Each context's next-token logits go to slot `rows[i]` (out of range: dropped, for
     padding and contexts that do not end in this chunk). `adapters [P]`: each context's
-    adapter of the model's LoRA bank (`None` without one)."""
+    adapter of the model's LoRA bank (`None` without one).
+
+    With `targets [P, C]` (the token each position is scored on), also returns each
+    position's log-prob of its target and its `top_k` most likely tokens with their
+    log-probs (`[P, C]`, `[P, C, top_k]` twice), through the LM head in chunks of
+    positions (never `[P, C, vocab]` logits); else `None`."""
     if adapters is not None:
         model = select_adapters(model, adapters)
     C = tokens.shape[1]
@@ -95,7 +115,13 @@ def paged_prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, tabl
     assert isinstance(out.cache, PagedKVCache)
     last = jnp.take_along_axis(out.hidden, jnp.clip(length - 1 - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
     logits = logits.at[rows].set(last_token_logits(model, last), mode="drop")
-    return out.cache.with_table(cache.page_table), logits
+    scores = None
+    if targets is not None:
+        P = tokens.shape[0]
+        logp, top_ids, top_logp = score_hidden(model, out.hidden.reshape(P * C, -1), jnp.maximum(targets, 0).reshape(-1),
+                                               top_k=top_k, chunk=min(P * C, SCORE_CHUNK))
+        scores = logp.reshape(P, C), top_ids.reshape(P, C, top_k), top_logp.reshape(P, C, top_k)
+    return out.cache.with_table(cache.page_table), logits, scores
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
