@@ -192,7 +192,7 @@ def test_a_custom_loss_trains_through_forward_backward_custom(client, hf):
     client.holder.run_coroutine_threadsafe(_unload(client, tc.model_id)).result()
 
 
-def test_sampling_and_prompt_logprobs_equal_a_forward_pass(client, hf):
+def test_sampling_and_prompt_logprobs_equal_a_forward_pass(client, served, hf):
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     tokens = _tokens(4, 24)
     tc.forward_backward([_datum(tokens)], "cross_entropy").result()
@@ -219,9 +219,12 @@ def test_sampling_and_prompt_logprobs_equal_a_forward_pass(client, hf):
     base = client.create_sampling_client(base_model="tiny").result()
     logprobs = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     np.testing.assert_allclose(np.asarray(logprobs[1:], np.float64), _hf_logprobs(hf, tokens), atol=2e-4)
+    cached = served.loop.call(lambda engine: engine.stats()["cached_tokens"])
     last = base.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=4).result()
     assert last[:-4] == [None] * (len(tokens) - 4)
     np.testing.assert_allclose(last[-4:], logprobs[-4:], atol=1e-5)
+    # the prefix before the 4 scored tokens came from the prefix cache: its first page of 16
+    assert served.loop.call(lambda engine: engine.stats()["cached_tokens"]) - cached == 16
     greedy = base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
         max_tokens=6, temperature=0.0, stop=[]), topk_sample_logprobs=2).result().sequences[0]
     assert greedy.stop_reason == "length" and len(greedy.tokens) == 6

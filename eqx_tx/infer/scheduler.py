@@ -42,6 +42,7 @@ class TokenEvent:
     logprob: float
     finish_reason: str | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their log-probs, if asked
+    prompt_scores: PromptScores | None = None  # on a request's first token, if it asked for them
 
 
 @dataclasses.dataclass(eq=False)
@@ -238,7 +239,8 @@ class Scheduler:
             r.logprobs.append(lp)
             reason = "stop" if t in r.stop else "length" if len(r.tokens) >= r.params.max_new_tokens else None
             alternatives = () if top is None else tuple(zip(map(int, top[0][i]), map(float, top[1][i])))
-            events.append(TokenEvent(r.id, t, lp, reason, alternatives))
+            scores = _prompt_scores(r) if len(r.tokens) == 1 else None
+            events.append(TokenEvent(r.id, t, lp, reason, alternatives, scores))
             if reason is not None:
                 self._finish(r, reason)
         return events
@@ -398,10 +400,14 @@ class Scheduler:
         self._release(request)
         if reason is not None:
             assert reason in STOP_REASONS
-            scores = None
-            if request.score is not None:
-                rows, k = [request.scores[t] for t in sorted(request.scores)], request.score[1]
-                scores = PromptScores(np.asarray([r[0] for r in rows], np.float32),
-                                      np.asarray([r[1] for r in rows], np.int32).reshape(len(rows), k),
-                                      np.asarray([r[2] for r in rows], np.float32).reshape(len(rows), k))
-            self.finished[request.id] = Generation(request.tokens, request.logprobs, reason, scores)
+            self.finished[request.id] = Generation(request.tokens, request.logprobs, reason, _prompt_scores(request))
+
+
+def _prompt_scores(request: Request) -> PromptScores | None:
+    """The scores `request` asked for, in prompt order (`None` if it asked for none)."""
+    if request.score is None:
+        return None
+    rows, k = [request.scores[t] for t in sorted(request.scores)], request.score[1]
+    return PromptScores(np.asarray([r[0] for r in rows], np.float32),
+                        np.asarray([r[1] for r in rows], np.int32).reshape(len(rows), k),
+                        np.asarray([r[2] for r in rows], np.float32).reshape(len(rows), k))

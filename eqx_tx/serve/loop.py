@@ -45,6 +45,7 @@ class Add:
     adapter: int | None
     listener: Listener
     future: concurrent.futures.Future
+    score: tuple[int, int] | None = None  # (last n prompt tokens, top k): `Engine.add(score_last_n=...)`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +93,13 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams, sample: int, listener: Listener,
-               adapter: int | None = None) -> concurrent.futures.Future:
-        """Queue a request (with `adapter` of a LoRA bank); the future gives its id (or
+               adapter: int | None = None, score: tuple[int, int] | None = None) -> concurrent.futures.Future:
+        """Queue a request (with `adapter` of a LoRA bank; `score = (n, k)`: its last `n`
+        prompt tokens scored, on its first token's event); the future gives its id (or
         the engine's `ValueError`, or `EngineStopped`), and `listener` is called from
         the engine thread with each of its tokens (or an `EngineFailure`)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(Add(prompt, params, sample, adapter, listener, future))
+        self._send(Add(prompt, params, sample, adapter, listener, future, score))
         return future
 
     def cancel(self, request_id: int) -> None:
@@ -142,8 +144,9 @@ class EngineLoop:
     def _handle(self, message: Message) -> None:
         if isinstance(message, Add):
             try:
+                n, k = message.score or (None, 0)
                 request_id = self.engine.add(message.prompt, message.params, sample=message.sample,
-                                             adapter=message.adapter)
+                                             adapter=message.adapter, score_last_n=n, score_top_k=k)
             except Exception as e:  # noqa: BLE001 - the request's own answer (ValueError: bad input)
                 message.future.set_exception(e)
                 return

@@ -33,8 +33,8 @@ from safetensors.numpy import load_file, save_file
 from ..core.compute import ComputeConfig
 from ..core.fileio import atomic_directory
 from ..core.log import logger
-from ..infer.prompt_scores import prompt_scores
 from ..infer.sampling import SamplingParams
+from ..infer.steps import PromptScores
 from ..io.adapters import load_adapter, save_adapter
 from ..layers.lora import adapter_slot, without_adapters
 from ..models import CausalLM
@@ -461,37 +461,38 @@ class TinkerService:
                      last_n: int | None) -> bytes:
         """Sample `num_samples` continuations of `prompt` with `key`'s weights."""
         engine_slot = await self._acquire(key)
+        # The first sample's prefill scores the prompt (the prefix before the scored
+        # tokens from the prefix cache); the other samples share its pages.
+        score = None
+        if (prompt_logprobs or topk_prompt) and len(prompt) >= 2:
+            score = (len(prompt) - 1 if last_n is None else last_n, topk_prompt)
+        scores: list[PromptScores] = []
         try:
-            jobs = [asyncio.create_task(self._one_sample(prompt, params, j, engine_slot, stop_strings))
+            jobs = [asyncio.create_task(self._one_sample(prompt, params, j, engine_slot, stop_strings,
+                                                         score if j == 0 else None, scores))
                     for j in range(num_samples)]
-            scores = None
-            if prompt_logprobs or topk_prompt:
-                model = self.loop.engine.model  # the weights the samples run with (immutable arrays)
-                scores = await asyncio.to_thread(self._prompt_scores, model, prompt, last_n, topk_prompt,
-                                                 engine_slot)
             sequences = await asyncio.gather(*jobs)
         finally:
             self._release(engine_slot)
         logprobs = top_rows = None
-        if scores is not None:
-            n = len(scores[0])
+        if prompt_logprobs or topk_prompt:
+            n = len(scores[0].logprobs) if scores else 0
             logprobs = np.full(len(prompt), np.nan, np.float32)
-            logprobs[len(prompt) - n:] = scores[0]
+            logprobs[len(prompt) - n:] = scores[0].logprobs if scores else []
             if topk_prompt:
-                top_rows = [None] * (len(prompt) - n) + [tuple(zip(ids.tolist(), lps.tolist()))
-                                                         for ids, lps in zip(scores[1], scores[2])]
+                top_rows = [None] * (len(prompt) - n) + ([tuple(zip(ids.tolist(), lps.tolist())) for ids, lps in
+                                                          zip(scores[0].top_ids, scores[0].top_logprobs)]
+                                                         if scores else [])
             if not prompt_logprobs:
                 logprobs = None
         return wire.sample_response(list(sequences), topk_sample=topk_sample, prompt_logprobs=logprobs,
                                     topk_prompt=top_rows, topk_prompt_k=topk_prompt)
 
-    def _prompt_scores(self, model, prompt, last_n, top_k, engine_slot):
-        if len(prompt) < 2:
-            return np.zeros(0, np.float32), np.zeros((0, top_k), np.int32), np.zeros((0, top_k), np.float32)
-        return prompt_scores(model, prompt, last_n=last_n, top_k=top_k, adapter=engine_slot, compute=self.compute)
-
     async def _one_sample(self, prompt: list[int], params: SamplingParams, sample: int, engine_slot: int,
-                          stop_strings: list[str]) -> wire.Sequence:
+                          stop_strings: list[str], score: tuple[int, int] | None = None,
+                          scores: list[PromptScores] | None = None) -> wire.Sequence:
+        """One sample through the engine; with `score`, its prompt's scores (which come
+        with its first token) are appended to `scores`."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         aio = asyncio.get_running_loop()
         seq = wire.Sequence([], [], "length", [])
@@ -508,6 +509,8 @@ class TinkerService:
                 return
             if done.done():
                 return
+            if event.prompt_scores is not None and scores is not None:
+                scores.append(event.prompt_scores)
             seq.tokens.append(event.token)
             seq.logprobs.append(event.logprob)
             assert seq.top is not None
@@ -524,7 +527,7 @@ class TinkerService:
                 seq.stop_reason = event.finish_reason
                 aio.call_soon_threadsafe(finish, event.finish_reason)
 
-        future = self.loop.submit(prompt, params, sample, listener, adapter=engine_slot)
+        future = self.loop.submit(prompt, params, sample, listener, adapter=engine_slot, score=score)
         request_id.append(await asyncio.wrap_future(future))
         await done
         if seq.stop_reason == "stop" and stop_strings:
