@@ -46,7 +46,10 @@ class Runner:
                 jnp.asarray(batch.tokens), jnp.asarray(batch.start), jnp.asarray(batch.length),
                 _maybe(batch.adapters), _maybe(batch.targets), compute=self.compute, top_k=batch.top_k,
             )
-        return None if scores is None else tuple(to_host(x) for x in scores)
+        if scores is None:
+            return None
+        logp, top_ids, top_logp = scores
+        return to_host(logp), to_host(top_ids), to_host(top_logp)
 
     def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """Sample one token for every planned row and feed it. Returns the tokens and
