@@ -119,10 +119,11 @@ def _splash_reason(q_shape, k_shape, cache: CacheKind, q_offset, mesh) -> str | 
     return None
 
 
-def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> str | None:
-    """Why the decode kernel cannot run here (`None` if it can)."""
+def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, *, interpreted: bool = False) -> str | None:
+    """Why the decode kernel cannot run here (`None` if it can); `interpreted`: in
+    Pallas's interpreter (off a TPU), which takes any shape."""
     platform = target_platform(mesh)
-    if platform != "tpu":
+    if platform != "tpu" and not interpreted:
         return f"backend is {platform}, not tpu"
     if cache not in ("dense", "int8", "paged", "paged_int8"):
         return f"it reads a {cache} cache" if cache != "none" else "there is no KV cache"
@@ -130,8 +131,22 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> str | Non
         return f"{q_shape[1]} queries per sequence (the kernel decodes one)"
     if mesh is not None and mesh.size > 1:
         return f"a mesh of {mesh.size} devices"
+    quantized = cache in ("int8", "paged_int8")
+    if interpreted:
+        return decode_tpu_reason(head_dim=128, kv_heads=8, heads=8, dtype=jnp.float32, quantized=quantized)
     return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype,
-                             quantized=cache in ("int8", "paged_int8"))
+                             quantized=quantized)
+
+
+def _requested_decode(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> AttentionChoice:
+    """`decode_tpu` as requested for a decoding call: the kernel, in Pallas's
+    interpreter off a TPU; `ValueError` naming why it cannot run."""
+    platform = target_platform(mesh)
+    reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, interpreted=platform != "tpu")
+    if reason is not None:
+        raise ValueError(f"attention implementation 'decode_tpu' cannot run: {reason}")
+    return AttentionChoice("decode_tpu", "requested" + ("" if platform == "tpu" else
+                                                        f" (backend is {platform}: Pallas interpreter)"))
 
 
 def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl,
@@ -143,21 +158,17 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
     if cache == "shared_prefix":
         return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp")
+    if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
+        if T == 1 and cache != "none":
+            return _requested_decode(q_shape, k_shape, dtype, cache, mesh)
+        requested = "auto"
     if cache in ("paged", "paged_int8"):
-        if requested in ("auto", "decode_tpu") and T == 1:
-            reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
-            if reason is None or requested == "decode_tpu":
-                return AttentionChoice("decode_tpu", "one query per sequence, the pool's pages read in place"
-                                       + (f" (requested; {reason}: Pallas interpreter)" if reason else ""))
-        if requested not in ("auto", "decode_tpu"):
+        if T == 1 and requested == "auto" and _decode_reason(q_shape, k_shape, dtype, cache, mesh) is None:
+            return AttentionChoice("decode_tpu", "one query per sequence, the pool's pages read in place")
+        if requested != "auto":
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
                                             "block by block, eqx_tx.kernels.paged")
         return AttentionChoice("paged", "the page pool walked block by block, eqx_tx.kernels.paged")
-    if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
-        if cache == "dense" and T == 1:
-            reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
-            return AttentionChoice("decode_tpu", "requested" + (f" ({reason}: Pallas interpreter)" if reason else ""))
-        requested = "auto"
     decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
     if requested == "auto" and decode_reason is None:
         return AttentionChoice("decode_tpu", "one query per sequence over the cache, read in place")

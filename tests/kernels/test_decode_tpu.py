@@ -79,8 +79,15 @@ def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
         assert choice.backend != "decode_tpu" and (why in choice.reason or kw.get("q", (0, 1))[1] != 1), choice
     assert _choose(cache="int8").backend == "blockwise"  # int8 stays blockwise (logged)
     assert _choose(q=(64, 4, 16, 128), attention="decode_tpu").backend == "xla"  # not decoding: as under auto
+    with pytest.raises(ValueError, match="'decode_tpu' cannot run: head_dim 64"):
+        _choose(q=(64, 1, 16, 64), k=(64, 1024, 8, 64), attention="decode_tpu")
+    assert _choose(cache="paged").backend == "decode_tpu"
+    assert _choose(cache="paged_int8").backend == "paged"
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "cpu")
-    assert "Pallas interpreter" in _choose(attention="decode_tpu").reason
+    assert "Pallas interpreter" in _choose(q=(4, 1, 4, 16), k=(4, 64, 2, 16), attention="decode_tpu").reason
+    for cache in ("int8", "paged_int8"):  # the kernel reads no int8 cache, not even interpreted
+        with pytest.raises(ValueError, match="'decode_tpu' cannot run: the cache is int8"):
+            _choose(cache=cache, attention="decode_tpu")
 
 
 def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch):
