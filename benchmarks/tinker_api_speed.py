@@ -24,15 +24,16 @@ import dataclasses
 import importlib.util
 import os
 import socket
-import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from timing import median_times
 
 import eqx_tx
 from eqx_tx.infer.config import EngineConfig
@@ -70,17 +71,19 @@ class Args:
     """Leave out `train_step` (e.g. a batch it cannot fit: the bank streams rows in calls of
     `tokens_per_call` tokens, so its batch is not bounded by memory)."""
     offload_moments: bool = False
+    interleave: bool = False
+    """Time the ways side by side, one call of each per round (`benchmarks/timing.py`):
+    no order effects, but every model and state is alive at once (memory)."""
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # compile
-    fn()  # and the paths a second call takes (e.g. moments coming back from host memory)
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each callable's median seconds after two warm-up calls (the second takes the paths
+    a second call takes, e.g. moments coming back from host memory), one after another."""
+    out = {}
+    for name, fn in fns.items():
         fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        out.update(median_times({name: fn}, repeats))
+    return out
 
 
 def _peak(after: str) -> None:
@@ -134,10 +137,21 @@ def main(args: Args) -> None:
         state[0], metrics = eqx_tx.train_step(state[0], batch, train_config)
         jax.block_until_ready(metrics["loss"])
 
+    timings: dict[str, float] = {}
+    steps: dict[str, Callable[[], object]] = {}  # timed together at the end with --interleave
+
+    def measure(name: str, fn: Callable[[], object], peak: str | None = None) -> None:
+        if args.interleave:
+            steps[name] = fn
+            return
+        timings.update(_median_seconds({name: fn}, args.repeats))
+        if peak:
+            _peak(peak)
+
     if not args.skip_train_step:
-        rows.append(("train_step (the library)", _median_seconds(library_step, args.repeats)))
-        _peak("train_step")
-    del state[0], lora
+        measure("train_step (the library)", library_step, "train_step")
+    if not args.interleave:
+        del state[0], lora
 
     # 2. BankTrainer, 3. the service
     tinker_config = TinkerConfig(max_adapters=2, max_lora_rank=args.rank, sampler_adapters=1,
@@ -153,8 +167,7 @@ def main(args: Args) -> None:
         trainer.adamw_step(0, AdamWParams())
         jax.block_until_ready(trainer.params)
 
-    rows.append(("BankTrainer (a slot of the bank)", _median_seconds(bank_step, args.repeats)))
-    _peak("BankTrainer")
+    measure("BankTrainer (a slot of the bank)", bank_step, "BankTrainer")
     cache = args.sample_batch * 2 * (args.prompt_len + args.new_tokens)
     engine = eqx_tx.Engine(sampler_model, EngineConfig(max_seqs=max(args.sample_batch, 1), page_size=16,
                                                        max_tokens_in_cache=cache))
@@ -169,10 +182,9 @@ def main(args: Args) -> None:
         for fn in (lambda: service.forward_backward(request), lambda: service.optim_step("bench:train:0", {})):
             service.futures.get(service.on_worker(fn)).result()
 
-    rows.append(("service layer in-process (proto in and out, worker thread)",
-                 _median_seconds(service_step, args.repeats)))
-    _peak("service")
-    rows.append(("BankTrainer again (after the service: order effects)", _median_seconds(bank_step, args.repeats)))
+    measure("service layer in-process (proto in and out, worker thread)", service_step, "service")
+    if not args.interleave:
+        measure("BankTrainer again (after the service: order effects)", bank_step)
 
     server = None
     if args.http:
@@ -188,7 +200,13 @@ def main(args: Args) -> None:
             tc.optim_step(tinker.types.AdamParams(learning_rate=1e-4)).result()
             fb.result()
 
-        rows.append(("official SDK over HTTP (127.0.0.1)", _median_seconds(sdk_step, args.repeats)))
+        measure("official SDK over HTTP (127.0.0.1)", sdk_step)
+    if args.interleave:
+        for fn in steps.values():
+            fn()  # the second warm-up call (median_times makes the first)
+        timings.update(median_times(steps, args.repeats))
+        print(f"(interleaved: {args.repeats} rounds of one call of each)")
+    rows = list(timings.items())
 
     print("\n| training: forward_backward + optim_step | s / step (median) | tokens/s | vs train_step |")
     print("|---|---|---|---|")
@@ -199,12 +217,12 @@ def main(args: Args) -> None:
     if args.sample:
         prompts = rng.integers(0, config.vocab_size, (args.sample_batch, args.prompt_len)).tolist()
         params = eqx_tx.SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=())
-        sample_rows = []
+        samplers: dict[str, Callable[[], object]] = {}
 
         def engine_run():
             loop.call(lambda e: e.run([(p, params) for p in prompts], adapters=[0] * len(prompts)))
 
-        sample_rows.append(("Engine directly", _median_seconds(engine_run, args.repeats)))
+        samplers["Engine directly"] = engine_run
         if args.http:
             sampler = client.create_sampling_client(base_model="bench").result()
             sdk_params = tinker.types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop=[])
@@ -214,7 +232,13 @@ def main(args: Args) -> None:
                 for f in futures:
                     f.result()
 
-            sample_rows.append(("official SDK over HTTP", _median_seconds(sdk_sample, args.repeats)))
+            samplers["official SDK over HTTP"] = sdk_sample
+        if args.interleave:
+            for fn in samplers.values():
+                fn()
+            sample_rows = list(median_times(samplers, args.repeats).items())
+        else:
+            sample_rows = list(_median_seconds(samplers, args.repeats).items())
         generated = args.sample_batch * args.new_tokens
         print(f"\n| sampling: {args.sample_batch} prompts x {args.prompt_len} + {args.new_tokens} new | s (median) "
               "| generated tokens/s | vs engine |")

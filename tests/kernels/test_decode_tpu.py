@@ -128,8 +128,8 @@ def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monke
     monkeypatch.setattr(paged, "decode_attention_blocks",
                         lambda *a, **kw: calls.append(a[1].shape) or decode_attention_blocks(*a, **kw))
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
-    requests = _workload(model.config.vocab_size, seed=0)[:6]
-    engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=8, prefill_chunk=16,
+    requests = _workload(model.config.vocab_size, seed=0)[:4]
+    engine = eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=64, page_size=8, prefill_chunk=16,
                            compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
     results = engine.run(requests)
     assert calls and engine.stats()["preemptions"] > 0
