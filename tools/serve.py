@@ -118,6 +118,7 @@ def build(args: Args):
     tokenizer = eqx_tx.load_tokenizer(directory)
     app = build_app(loop, tokenizer, name, adapters)
     if tinker:
+        from eqx_tx.core.util import has_pinned_host
         from eqx_tx.serve.tinker_api import add_tinker_routes
         from eqx_tx.serve.tinker_service import TinkerService
         from eqx_tx.train.bank_training import BankTrainer
@@ -125,8 +126,7 @@ def build(args: Args):
         compute = eqx_tx.ComputeConfig(attention=args.attention)
         offload = args.tinker.offload_moments
         if offload is None:  # an accelerator with pinned host memory (on a CPU the device is the host)
-            device = jax.devices()[0]
-            offload = device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
+            offload = jax.devices()[0].platform != "cpu" and has_pinned_host()
         trainer = BankTrainer(trainee, compute=compute, tokens_per_call=args.tinker.tokens_per_call,
                               offload_moments=offload)
         app.state.tinker = TinkerService(trainer, loop, name=name, tokenizer_id=os.path.abspath(directory),

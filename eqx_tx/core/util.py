@@ -1,5 +1,6 @@
 """Small helpers: integer arithmetic shared by the kernels, the cache sizing and the
-data layout; reading a value on the host when it is known there."""
+data layout; reading a value on the host when it is known there; whether the device
+has pinned host memory."""
 
 import jax
 import numpy as np
@@ -23,3 +24,10 @@ def concrete_value(x) -> np.ndarray | None:
         return np.asarray(x)
     except jax.errors.TracerArrayConversionError:
         return None
+
+
+def has_pinned_host(device=None) -> bool:
+    """Whether `device` (default: the first) has pinned host memory to put arrays in
+    (TPUs and GPUs do; so does XLA:CPU, where it is the device's own RAM)."""
+    device = jax.devices()[0] if device is None else device
+    return any(m.kind == "pinned_host" for m in device.addressable_memories())

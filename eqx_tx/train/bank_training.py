@@ -37,6 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
 from ..core.log import log_once
+from ..core.util import has_pinned_host
 from ..layers.lora import ATTENTION_TARGETS, MLP_TARGETS, lora_filter, lora_settings, select_adapters
 from ..models import CausalLM
 from .bank_optimizer import bank_axes
@@ -407,14 +408,9 @@ class BankTrainer:
         return rows, offsets
 
 
-def _pinned_host() -> bool:
-    """Whether the first device has pinned host memory (TPUs and GPUs do; CPUs not)."""
-    return any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
-
-
 def _to_host(leaves: list) -> list:
     """Moments to where they wait between steps: pinned host memory, or host RAM."""
-    if _pinned_host():
+    if has_pinned_host():
         leaves = [jnp.asarray(x) for x in leaves]
         return [jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) for x in leaves]
     log_once("BankTrainer(offload_moments=True): no pinned host memory on this platform; moments wait in host RAM")
