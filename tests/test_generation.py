@@ -11,6 +11,7 @@ import torch
 import eqx_tx
 from eqx_tx.cache.allocate import new_cache
 from eqx_tx.core.hlo import materialized
+from eqx_tx.core.log import compile_times
 from eqx_tx.infer import generation
 from eqx_tx.infer.generation import DecodeState, decode, generate, prefill
 from eqx_tx.infer.sampling import SamplerArrays, SamplingParams, sample_token
@@ -62,19 +63,10 @@ def test_a_second_call_compiles_nothing(checkpoints):
     to first token)."""
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False, dtype=jnp.bfloat16)  # shapes no other test compiles
     params = SamplingParams(max_new_tokens=3)
-    compiles = []
-
-    def listener(event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_times() as compiles:
         first = generate(model, PROMPTS, params)
         n_first = len(compiles)
         again = generate(model, PROMPTS, params)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert n_first > 0  # the listener sees compilations
     assert len(compiles) == n_first
     assert [r.tokens for r in again] == [r.tokens for r in first]

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 import eqx_tx
+from eqx_tx.core.log import compile_times
 from eqx_tx.infer.config import EngineConfig
 from eqx_tx.serve.tinker_config import TinkerConfig
 from eqx_tx.infer.sampling import SamplingParams
@@ -219,22 +220,16 @@ def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny, tmp
     engine = EngineConfig(max_seqs=4, max_tokens_in_cache=1024, page_size=16, prefill_chunk=32)
     tinker = TinkerConfig(max_lora_rank=4, max_adapters=1, sampler_adapters=1, state_dir=str(tmp_path))
     loop, app = serve.build(serve.Args(model=trained_tiny, engine=engine, tinker=tinker))
-    compiles = []
-
-    def listener(event, *args, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        for n, prompt in ((1, [5, 6, 7]), (3, list(range(1, 40)))):
-            done = [threading.Event() for _ in range(n)]
-            for j in range(n):
-                loop.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0.5, seed=1), j,
-                            lambda e, j=j: e.finish_reason is not None and done[j].set(), adapter=0).result(timeout=60)
-            assert all(d.wait(60) for d in done)
+        with compile_times() as compiles:
+            for n, prompt in ((1, [5, 6, 7]), (3, list(range(1, 40)))):
+                done = [threading.Event() for _ in range(n)]
+                for j in range(n):
+                    loop.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0.5, seed=1), j,
+                                lambda e, j=j: e.finish_reason is not None and done[j].set(),
+                                adapter=0).result(timeout=60)
+                assert all(d.wait(60) for d in done)
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
         app.state.tinker.stop()
         loop.stop()
     assert compiles == []

@@ -124,6 +124,7 @@ def main(args: Args) -> None:
     import jax.numpy as jnp
 
     import eqx_tx
+    from eqx_tx.core.log import compile_times
     from eqx_tx.infer.generation import generate
     from eqx_tx.infer.steps import check_requests
 
@@ -169,27 +170,20 @@ def main(args: Args) -> None:
 
     # Bad requests (a prompt past the model's positions, ...) fail here, before any output.
     check_requests(model.config, ids, params, args.n, args.prefill_chunk_size)
-    compile_seconds = []
-
-    def on_compile(event: str, duration: float, *rest, **kw) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compile_seconds.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_compile)
     if len(sequences) == 1 and main_process:
         sys.stdout.write(sequences[0])
     start = time.perf_counter()
-    results = generate(
-        model, ids, params,
-        n=args.n,
-        prefill_chunk_size=args.prefill_chunk_size,
-        cache_dtype=dtypes[args.kv_cache_dtype],
-        compute=eqx_tx.ComputeConfig(attention=args.attention),
-        stream_every=args.stream_every,
-        on_tokens=on_tokens,
-    )
+    with compile_times() as compile_seconds:
+        results = generate(
+            model, ids, params,
+            n=args.n,
+            prefill_chunk_size=args.prefill_chunk_size,
+            cache_dtype=dtypes[args.kv_cache_dtype],
+            compute=eqx_tx.ComputeConfig(attention=args.attention),
+            stream_every=args.stream_every,
+            on_tokens=on_tokens,
+        )
     elapsed = time.perf_counter() - start
-    jax.monitoring.unregister_event_duration_listener(on_compile)
     if not main_process:
         return
     print()

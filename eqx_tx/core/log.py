@@ -1,12 +1,17 @@
-"""The package logger and a log-once helper for loud fallbacks.
+"""The package logger, a log-once helper for loud fallbacks, and a recorder of the
+compilations a piece of code triggers.
 
 The library only logs to `logging.getLogger("eqx_tx")`; it never configures the
 root logger. Applications decide what is shown: the tools call
 `enable_console_logging()`, which gives the package logger a handler of its own.
 """
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
+
+import jax
 
 logger = logging.getLogger("eqx_tx")
 _seen: set[str] = set()
@@ -34,3 +39,26 @@ def enable_console_logging(level: int = logging.INFO) -> None:
         logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compile_times() -> Iterator[list[float]]:
+    """Record the XLA compilations that run inside the `with` block.
+
+    **Returns:** (as the context value) a list that gets each compilation's seconds,
+    in order, while the block runs (from `jax.monitoring`'s compile-duration event).
+    """
+    seconds: list[float] = []
+
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == _COMPILE_EVENT:
+            seconds.append(duration_secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seconds
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
