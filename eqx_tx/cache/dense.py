@@ -114,7 +114,6 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
             lengths = positions[:, 0] + 1
             if mask.kv_lengths is not None:
                 lengths = jnp.minimum(lengths, mask.kv_lengths)
-            lengths = jnp.clip(lengths, 1, self.max_len)  # finished rows (writes dropped) read something
             interpret = None if compute.attention == "decode_tpu" else False
             return decode_attention_dense(q, cache.k, cache.v, layer, lengths, interpret=interpret), cache
         if own_keys:

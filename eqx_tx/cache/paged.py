@@ -114,8 +114,7 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         with jax.named_scope("cache_write"):
             cache = self.write(layer, k, v, positions)
         if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
-            lengths = jnp.clip(jnp.minimum(positions[:, 0] + 1, mask.kv_lengths), 1,
-                               self.page_table.shape[1] * self.page_size)
+            lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
             o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
                                         interpret=interpret)

@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from ..core.log import log_once
+from ..core.util import ceil_div
 
 _MASKED = -1e30
 
@@ -113,7 +114,9 @@ def decode_attention_blocks(
     - `layer`: the layer read.
     - `table`: sequence `b`'s blocks in order; only the first
       `ceil(lengths[b] / block)` are read (later entries may be anything).
-    - `lengths`: sequence `b` attends to its keys `[0, lengths[b])`, at least 1.
+    - `lengths`: sequence `b` attends to its keys `[0, lengths[b])` (clipped to at
+      least 1 and at most the table's blocks: a finished row whose writes were dropped
+      still reads something, and never past its table).
     - `interpret`: run in Pallas's interpreter (any backend; tests); `None`: off a
       TPU only (logged once).
 
@@ -128,17 +131,17 @@ def _blocks(q, k, v, layer, table, lengths, *, interpret: bool):
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
     table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
-    lengths = lengths.astype(jnp.int32)
+    lengths = jnp.clip(lengths, 1, P * block).astype(jnp.int32)
 
     def kv_index(b, j, layer_ref, lengths_ref, table_ref):
-        last = jnp.maximum((lengths_ref[b] + block - 1) // block - 1, 0)
+        last = ceil_div(lengths_ref[b], block) - 1
         return layer_ref[0], table_ref[b * P + jnp.minimum(j, last)], 0, 0, 0
 
     kv_spec = pl.BlockSpec((None, None, block, K, H), kv_index)
     q_spec = pl.BlockSpec((None, N, H), lambda b, j, *_: (b, 0, 0))
     # The grid walks the longest sequence's blocks, not the table's width (a dynamic
     # bound: an engine's tables are as wide as its longest allowed sequence).
-    steps = jnp.clip((jnp.max(lengths) + block - 1) // block, 1, P)
+    steps = ceil_div(jnp.max(lengths), block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(B, steps),
