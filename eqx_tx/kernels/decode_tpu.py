@@ -36,10 +36,13 @@ from ..core.util import ceil_div
 _MASKED = -1e30
 
 
-def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, quantized: bool) -> str | None:
-    """Why the kernel cannot run on these shapes on a TPU (`None` if it can)."""
-    if quantized:
-        return "the cache is int8 (this kernel reads bf16/fp32 caches)"
+INT8_REASON = "the cache is int8 (this kernel reads bf16/fp32 caches)"
+"""Why the kernel cannot read an int8 cache, on any backend."""
+
+
+def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype) -> str | None:
+    """Why Mosaic cannot compile the kernel for these shapes on a TPU (`None` if it
+    can; Pallas's interpreter takes any)."""
     if head_dim % 128:
         return f"head_dim {head_dim} is not a multiple of 128"
     if kv_heads % 8:

@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from ..core.compute import AttentionImpl, ComputeConfig
 from ..core.log import log_once
 from ..core.sharding import AnyMesh, current_mesh, mesh_axis_size
-from .decode_tpu import decode_tpu_reason
+from .decode_tpu import INT8_REASON, decode_tpu_reason
 from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
@@ -131,11 +131,11 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, *, interpret
         return f"{q_shape[1]} queries per sequence (the kernel decodes one)"
     if mesh is not None and mesh.size > 1:
         return f"a mesh of {mesh.size} devices"
-    quantized = cache in ("int8", "paged_int8")
+    if cache in ("int8", "paged_int8"):
+        return INT8_REASON
     if interpreted:
-        return decode_tpu_reason(head_dim=128, kv_heads=8, heads=8, dtype=jnp.float32, quantized=quantized)
-    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype,
-                             quantized=quantized)
+        return None
+    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype)
 
 
 def _requested_decode(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> AttentionChoice:
@@ -162,16 +162,14 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         if T == 1 and cache != "none":
             return _requested_decode(q_shape, k_shape, dtype, cache, mesh)
         requested = "auto"
+    decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
+    if requested == "auto" and decode_reason is None:
+        return AttentionChoice("decode_tpu", "one query per sequence, the stacked cache read in place")
     if cache in ("paged", "paged_int8"):
-        if T == 1 and requested == "auto" and _decode_reason(q_shape, k_shape, dtype, cache, mesh) is None:
-            return AttentionChoice("decode_tpu", "one query per sequence, the pool's pages read in place")
         if requested != "auto":
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
                                             "block by block, eqx_tx.kernels.paged")
         return AttentionChoice("paged", "the page pool walked block by block, eqx_tx.kernels.paged")
-    decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
-    if requested == "auto" and decode_reason is None:
-        return AttentionChoice("decode_tpu", "one query per sequence over the cache, read in place")
     if cache == "int8":
         if requested == "cudnn":
             raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
