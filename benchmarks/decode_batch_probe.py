@@ -19,10 +19,10 @@ import re
 import shutil
 import time
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_flops import decode_bytes_per_token
 
 import eqx_tx
 from eqx_tx.infer import generation
@@ -112,10 +112,8 @@ def main() -> None:
                 f.write(hlo)
             # Bytes a step must read: every weight once, the keys/values cached so far
             # (the mean context over the steps timed), at the data sheet's 819 GB/s.
-            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
             context = args.prompt + (args.new // 4 + args.new) / 2
-            kv_bytes = b * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-            roofline_ms = 1e3 * (weight_bytes + kv_bytes) / 819e9
+            roofline_ms = 1e3 * decode_bytes_per_token(cfg, 2, kv_length=b * context) / 819e9
             row = {"batch": b, "attention": attention, "step_ms": round(step_ms, 2),
                    "roofline_ms": round(roofline_ms, 2), "of_roofline": f"{roofline_ms / step_ms:.0%}", **census(hlo)}
             if args.profile:

@@ -16,11 +16,11 @@ import dataclasses
 import json
 import time
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from model_flops import decode_bytes_per_token
 
 import eqx_tx
 from eqx_tx.infer.sampling import SamplingParams
@@ -46,10 +46,8 @@ def main(args: Args) -> None:
     rng = np.random.default_rng(0)
     requests = [(rng.integers(0, cfg.vocab_size, args.prompt).tolist(),
                  SamplingParams(max_new_tokens=args.new, stop_token_ids=())) for _ in range(args.requests)]
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     rows = min(args.max_seqs, args.requests)
-    step_s = (weight_bytes + rows * (args.prompt + args.new / 2) * kv_per_token) / (args.bandwidth_gbs * 1e9)
+    step_s = decode_bytes_per_token(cfg, 2, kv_length=rows * (args.prompt + args.new / 2)) / (args.bandwidth_gbs * 1e9)
     roofline = rows / step_s
     for attention in args.attentions:
         for page in args.page_sizes:
