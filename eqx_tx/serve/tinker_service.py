@@ -476,13 +476,15 @@ class TinkerService:
             self._release(engine_slot)
         logprobs = top_rows = None
         if prompt_logprobs or topk_prompt:
-            n = len(scores[0].logprobs) if scores else 0
+            # (none for a one-token prompt: nothing was scored)
+            scored = scores[0].logprobs if scores else np.zeros(0, np.float32)
+            alternatives = list(zip(scores[0].top_ids, scores[0].top_logprobs)) if scores else []
+            n = len(scored)
             logprobs = np.full(len(prompt), np.nan, np.float32)
-            logprobs[len(prompt) - n:] = scores[0].logprobs if scores else []
+            logprobs[len(prompt) - n:] = scored
             if topk_prompt:
-                top_rows = [None] * (len(prompt) - n) + ([tuple(zip(ids.tolist(), lps.tolist())) for ids, lps in
-                                                          zip(scores[0].top_ids, scores[0].top_logprobs)]
-                                                         if scores else [])
+                top_rows = [None] * (len(prompt) - n) + [tuple(zip(ids.tolist(), lps.tolist()))
+                                                         for ids, lps in alternatives]
             if not prompt_logprobs:
                 logprobs = None
         return wire.sample_response(list(sequences), topk_sample=topk_sample, prompt_logprobs=logprobs,
