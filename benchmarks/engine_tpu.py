@@ -13,6 +13,7 @@ includes the prefill, so the share is a lower bound.
 """
 
 import dataclasses
+import itertools
 import json
 import time
 
@@ -36,6 +37,8 @@ class Args:
     new: int = 256
     attentions: tuple[str, ...] = ("auto", "xla")
     page_sizes: tuple[int, ...] = (16, 128)
+    kv_dtypes: tuple[str, ...] = ("bf16",)
+    """The pool's dtypes: `bf16` or `int8`."""
     bandwidth_gbs: float = 819.0
 
 
@@ -47,27 +50,29 @@ def main(args: Args) -> None:
     requests = [(rng.integers(0, cfg.vocab_size, args.prompt).tolist(),
                  SamplingParams(max_new_tokens=args.new, stop_token_ids=())) for _ in range(args.requests)]
     rows = min(args.max_seqs, args.requests)
-    step_s = decode_bytes_per_token(cfg, 2, kv_length=rows * (args.prompt + args.new / 2)) / (args.bandwidth_gbs * 1e9)
-    roofline = rows / step_s
-    for attention in args.attentions:
-        for page in args.page_sizes:
-            engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page, max_seq_len=args.prompt + args.new,
-                                   max_tokens_in_cache=rows * (args.prompt + args.new + page),
-                                   compute=eqx_tx.ComputeConfig(attention=attention))  # type: ignore[arg-type]
-            t = time.perf_counter()
-            engine.warmup()
-            engine.run(requests)
-            compile_s = time.perf_counter() - t
-            t = time.perf_counter()
-            results = engine.run(requests)
-            seconds = time.perf_counter() - t
-            generated = sum(len(r.tokens) for r in results)
-            row = {"attention": attention, "page_size": page, "requests": args.requests, "max_seqs": args.max_seqs,
-                   "prompt": args.prompt, "new": args.new, "tokens_per_s": round(generated / seconds),
-                   "decode_roofline_tokens_per_s": round(roofline),
-                   "of_roofline": f"{generated / seconds / roofline:.0%}",
-                   "first_run_s": round(compile_s, 1)}
-            print(json.dumps(row), flush=True)
+    for attention, page, kv in itertools.product(args.attentions, args.page_sizes, args.kv_dtypes):
+        kv_bytes = 2.0 if kv == "bf16" else 1.0 + 4.0 / cfg.head_dim  # int8: values and their float32 scales
+        step_s = decode_bytes_per_token(cfg, 2, kv_length=rows * (args.prompt + args.new / 2),
+                                        kv_bytes=kv_bytes) / (args.bandwidth_gbs * 1e9)
+        roofline = rows / step_s
+        engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page, max_seq_len=args.prompt + args.new,
+                               max_tokens_in_cache=rows * (args.prompt + args.new + page),
+                               cache_dtype=jnp.int8 if kv == "int8" else None,
+                               compute=eqx_tx.ComputeConfig(attention=attention))  # type: ignore[arg-type]
+        t = time.perf_counter()
+        engine.warmup()
+        engine.run(requests)
+        compile_s = time.perf_counter() - t
+        t = time.perf_counter()
+        results = engine.run(requests)
+        seconds = time.perf_counter() - t
+        generated = sum(len(r.tokens) for r in results)
+        row = {"attention": attention, "page_size": page, "kv": kv, "requests": args.requests,
+               "max_seqs": args.max_seqs, "prompt": args.prompt, "new": args.new, "tokens_per_s": round(generated / seconds),
+               "decode_roofline_tokens_per_s": round(roofline),
+               "of_roofline": f"{generated / seconds / roofline:.0%}",
+               "first_run_s": round(compile_s, 1)}
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ def prefill_flops(cfg, B: int, T: int) -> float:
     return B * T * (2 * matmul_params(cfg, head=False) + attention) + 2 * B * cfg.vocab_size * cfg.hidden_size
 
 
-def decode_bytes_per_token(cfg, bytes_per_param: int, kv_length: int = 0, kv_bytes: int = 2) -> int:
+def decode_bytes_per_token(cfg, bytes_per_param: int, kv_length: float = 0, kv_bytes: float = 2) -> float:
     """Bytes read per decode step at batch 1: every layer, the final norm, the LM head,
-    and the keys and values of `kv_length` cached positions."""
+    and the keys and values of `kv_length` cached positions (`kv_bytes` per element:
+    an int8 cache's include its share of the scales)."""
     weights = matmul_params(cfg, head=True) + cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size
     if cfg.qk_norm:
         weights += cfg.num_hidden_layers * 2 * cfg.head_dim

@@ -2,7 +2,8 @@
 
 `KVCache` holds `[layers, batch, max_len, kv_heads, head_dim]` keys and values.
 With `dtype="int8"` they are stored as int8 with a float32 scale per (token, kv
-head): `x ≈ q * scale`, `scale = max|x| / 127` over `head_dim`. That is
+head), `[layers, batch, kv_heads, max_len]` (tokens-minor, `eqx_tx.cache.storage`):
+`x ≈ q * scale`, `scale = max|x| / 127` over `head_dim`. That is
 `(head_dim + 4) / (2 * head_dim)` of a bf16 cache (51.6% at head_dim 128).
 Quantization happens on write; attention dequantizes one key/value block at a time
 (`eqx_tx.kernels.flash`), never the whole cache.
@@ -25,7 +26,7 @@ from .base import AbstractCache
 from .storage import KVStorage, store_kv, zero_kv
 
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
-SCALE_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads")
+SCALE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_seq")
 
 
 @final
@@ -39,8 +40,8 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
 
     k: Array
     v: Array
-    k_scale: Float[Array, "layers batch max_len kv_heads"] | None
-    v_scale: Float[Array, "layers batch max_len kv_heads"] | None
+    k_scale: Float[Array, "layers batch kv_heads max_len"] | None
+    v_scale: Float[Array, "layers batch kv_heads max_len"] | None
 
     def __init__(self, k, v, k_scale=None, v_scale=None):
         self.k = k
@@ -90,7 +91,10 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
         def put(buf, x):
             return buf.at[index, b, positions].set(x.astype(buf.dtype), mode="drop")
 
-        return store_kv(self, put, k_new, v_new)
+        def put_scale(buf, x):
+            return buf.at[index, b, :, positions].set(x, mode="drop")
+
+        return store_kv(self, put, put_scale, k_new, v_new)
 
     def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                mesh: AnyMesh | None):
@@ -115,7 +119,9 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
             if mask.kv_lengths is not None:
                 lengths = jnp.minimum(lengths, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
-            return decode_attention_dense(q, cache.k, cache.v, layer, lengths, interpret=interpret), cache
+            scales = None if cache.k_scale is None or cache.v_scale is None else (cache.k_scale, cache.v_scale)
+            o = decode_attention_dense(q, cache.k, cache.v, layer, lengths, scales=scales, interpret=interpret)
+            return o, cache
         if own_keys:
             keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
         else:

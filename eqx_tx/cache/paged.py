@@ -1,7 +1,8 @@
 """A paged key/value cache: one pool of fixed-size pages shared by all sequences.
 
 The pool holds `[layers, pages, page_size, kv_heads, head_dim]` keys and values
-(int8 with a float32 scale per token and kv head, as `KVCache`). Each sequence owns
+(int8 with a float32 scale per token and kv head, `[layers, pages, kv_heads,
+page_size]`, as `KVCache`). Each sequence owns
 the pages its page table lists: position `t` of sequence `b` lives in page
 `page_table[b, t // page_size]` at offset `t % page_size`. Page ids equal to the
 pool size mark unallocated entries: writes there are dropped and reads are masked
@@ -30,7 +31,7 @@ from .base import AbstractCache
 from .storage import KVStorage, store_kv, zero_kv
 
 POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
-POOL_SCALE_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads")
+POOL_SCALE_AXES = ("layers", "cache_pages", "cache_kv_heads", "cache_seq")
 TABLE_AXES = ("cache_table", None)
 
 
@@ -40,8 +41,8 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
 
     k: Array
     v: Array
-    k_scale: Float[Array, "layers pages page_size kv_heads"] | None
-    v_scale: Float[Array, "layers pages page_size kv_heads"] | None
+    k_scale: Float[Array, "layers pages kv_heads page_size"] | None
+    v_scale: Float[Array, "layers pages kv_heads page_size"] | None
     page_table: Int[Array, "batch pages_per_seq"]
 
     def __init__(self, k, v, k_scale, v_scale, page_table):
@@ -81,9 +82,12 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         return eqx.tree_at(lambda c: c.page_table, self, page_table)
 
     def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
-        """The whole key and value pools (as `Quantized` pairs for an int8 pool), for
-        `eqx_tx.kernels.paged.paged_attention`."""
-        return self.pair(lambda x: x)
+        """The whole key and value pools, for `eqx_tx.kernels.paged.paged_attention`
+        (for an int8 pool `Quantized` pairs whose scales keep the pool's tokens-minor
+        layout: the kernel swaps the pages it gathers, not the pool)."""
+        if self.k_scale is not None and self.v_scale is not None:
+            return Quantized(self.k, self.k_scale), Quantized(self.v, self.v_scale)
+        return self.k, self.v
 
     def write(
         self,
@@ -103,20 +107,24 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         def put(buf, x):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
 
-        return store_kv(self, put, k_new, v_new)
+        def put_scale(buf, x):
+            return buf.at[index, page, :, offset].set(x, mode="drop")
+
+        return store_kv(self, put, put_scale, k_new, v_new)
 
     def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                mesh: AnyMesh | None):
         """Write into the sequences' pages, then attend over them (`paged_attention`)."""
         choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
-                                  compute=compute, segmented=mask.segment_ids is not None)
+                                  compute=compute, segmented=mask.segment_ids is not None, page_size=self.page_size)
         assert mask.kv_lengths is not None
         with jax.named_scope("cache_write"):
             cache = self.write(layer, k, v, positions)
         if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
-            o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
+            scales = None if cache.k_scale is None or cache.v_scale is None else (cache.k_scale, cache.v_scale)
+            o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths, scales=scales,
                                         interpret=interpret)
             return o[:, None], cache
         return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache

@@ -3,6 +3,13 @@
 `KVStorage` declares the fields `k, v, k_scale, v_scale` (scales `None` unless int8)
 that `KVCache` and `PagedKVCache` hold; `zero_kv` and `store_kv` create and write
 them the same way for both.
+
+Keys/values are `[..., tokens, kv_heads, head_dim]`; their scales are stored
+tokens-minor, `[..., kv_heads, tokens]`. On a TPU an array's last two axes are laid
+out in 8 x 128 tiles: `[..., tokens, kv_heads=8]` float32 scales would pad 8 lanes to
+128 (16x their bytes, a third of an int8 cache's), `[..., 8, tokens]` pads nothing.
+`KVStorage.pair` hands them out as `Quantized` (`[..., tokens, kv_heads]`) all the
+same.
 """
 
 from collections.abc import Callable
@@ -29,9 +36,11 @@ class KVStorage(eqx.Module):
 
     def pair(self, pick: Callable[[Array], Array]) -> tuple[Array | Quantized, Array | Quantized]:
         """`pick` applied to the keys and to the values (as `Quantized` pairs with their
-        scales for int8)."""
+        scales for int8; `pick` sees the scales tokens-minor and they come back
+        `[..., tokens, kv_heads]`)."""
         if self.k_scale is not None and self.v_scale is not None:
-            return Quantized(pick(self.k), pick(self.k_scale)), Quantized(pick(self.v), pick(self.v_scale))
+            return (Quantized(pick(self.k), jnp.swapaxes(pick(self.k_scale), -1, -2)),
+                    Quantized(pick(self.v), jnp.swapaxes(pick(self.v_scale), -1, -2)))
         return pick(self.k), pick(self.v)
 
 
@@ -39,20 +48,23 @@ C = TypeVar("C", bound=KVStorage)
 
 
 def zero_kv(shape: tuple[int, ...], dtype) -> tuple[Array, Array, Array | None, Array | None]:
-    """Zero `k, v` of `shape` (and, for int8, zero scales of `shape[:-1]`)."""
+    """Zero `k, v` of `shape` `[..., tokens, kv_heads, head_dim]` (and, for int8, zero
+    scales `[..., kv_heads, tokens]`)."""
     if jnp.dtype(dtype) == jnp.int8:
-        scale = jnp.zeros(shape[:-1], jnp.float32)
+        scale = jnp.zeros((*shape[:-3], shape[-2], shape[-3]), jnp.float32)
         return jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, None
 
 
-def store_kv(cache: C, put: Callable[[Array, Array], Array], k_new: Array, v_new: Array) -> C:
-    """`cache` with `put(buffer, new)` applied to its keys and values (quantized first,
-    scales alongside, for an int8 cache)."""
+def store_kv(cache: C, put: Callable[[Array, Array], Array], put_scale: Callable[[Array, Array], Array],
+             k_new: Array, v_new: Array) -> C:
+    """`cache` with `put(buffer, new)` applied to its keys and values (quantized first
+    for an int8 cache, and `put_scale(scales, new [..., tokens, kv_heads])` to their
+    tokens-minor scales)."""
     if cache.k_scale is not None and cache.v_scale is not None:
         kq, vq = Quantized.quantize(k_new), Quantized.quantize(v_new)
-        new = (put(cache.k, kq.values), put(cache.v, vq.values), put(cache.k_scale, kq.scale),
-               put(cache.v_scale, vq.scale))
+        new = (put(cache.k, kq.values), put(cache.v, vq.values), put_scale(cache.k_scale, kq.scale),
+               put_scale(cache.v_scale, vq.scale))
         return eqx.tree_at(lambda c: (c.k, c.v, c.k_scale, c.v_scale), cache, new)
     new = (put(cache.k, k_new), put(cache.v, v_new))
     return eqx.tree_at(lambda c: (c.k, c.v), cache, new)

@@ -20,6 +20,15 @@ free in float32 tiles) and every query head scores every row; rows of other kv h
 are masked. That multiplies the step's FLOPs by `kv_heads`, which a decode step has
 to spare (a Qwen3-0.6B row reads 4 KiB per cached token for 64 kFLOP here: far
 below the MXU's rate per byte of HBM), in exchange for no relayout of the block.
+
+An int8 cache comes with float32 scales per (token, kv head), stored tokens-minor
+(`[..., kv_heads, tokens]`: `[kv_heads, block]` per block, 8 x 128 tiles with no
+padding, where `[..., tokens, kv_heads]` would pad 8 lanes to 128 and read 16x the
+scales' bytes). The score of column `(token t, kv head h)` is multiplied by
+`k_scale[h, t]` and each probability by `v_scale[h, t]` before `p @ v`; the scales
+reach those columns by two exact one-pass matmuls (a head selection, then a 0/1
+expansion of each token to its `kv_heads` columns), so no vector moves between
+lanes and sublanes.
 """
 
 import functools
@@ -28,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Int8
 
 from ..core.log import log_once
 from ..core.util import ceil_div
@@ -36,13 +45,16 @@ from ..core.util import ceil_div
 _MASKED = -1e30
 
 
-INT8_REASON = "the cache is int8 (this kernel reads bf16/fp32 caches)"
-"""Why the kernel cannot read an int8 cache, on any backend."""
+_LANES = 128
+_PARTS = 3  # bf16 parts of a float32 scale
 
 
-def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype) -> str | None:
+def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_block: int | None = None) -> str | None:
     """Why Mosaic cannot compile the kernel for these shapes on a TPU (`None` if it
-    can; Pallas's interpreter takes any)."""
+    can; Pallas's interpreter takes any). `int8_block`: an int8 cache read in blocks
+    of this many tokens (its scales' lanes: a multiple of 128)."""
+    if int8_block is not None and int8_block % _LANES:
+        return f"int8 scales read in blocks of {int8_block} tokens (not a multiple of {_LANES})"
     if head_dim % 128:
         return f"head_dim {head_dim} is not a multiple of 128"
     if kv_heads % 8:
@@ -54,8 +66,41 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype) -> str
     return None
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
-            block: int, kv_heads: int, group: int, scale: float):
+def _scale_columns(k_scales, v_scales, expand, *, group: int):
+    """`[kv_heads, block]` key and value scales as the score columns of `[heads,
+    block * kv_heads]`: row `n`, column `t * kv_heads + h` gets `scales[n // group, t]`.
+
+    Two 0/1 matmuls place them, one selecting each head's row, one repeating each
+    of `sub` tokens over its kv heads (`expand [sub, sub * kv_heads]`). Both run on
+    bf16 operands in one MXU pass and stay exact: each float32 scale goes in as the
+    sum of three bf16 parts (24 bits of mantissa).
+    """
+    K, block = k_scales.shape
+    heads = K * group
+    parts = []
+    for x in (k_scales, v_scales):
+        for _ in range(_PARTS):
+            part = x.astype(jnp.bfloat16).astype(jnp.float32)
+            parts.append(part)
+            x = x - part
+    stacked = jnp.concatenate(parts, axis=0).astype(jnp.bfloat16)  # [2 * _PARTS * K, block]
+    n = 2 * _PARTS
+    row = jax.lax.broadcasted_iota(jnp.int32, (n * heads, n * K), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n * heads, n * K), 1)
+    select = ((row // heads == col // K) & ((row % heads) // group == col % K)).astype(jnp.bfloat16)
+    rows = jnp.dot(select, stacked, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # [n heads, block]
+    sub = expand.shape[0]
+    cols = [jnp.dot(rows[:, i:i + sub], expand, preferred_element_type=jnp.float32) for i in range(0, block, sub)]
+    cols = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)  # [n heads, block * K]
+    summed = [sum(cols[(i * _PARTS + j) * heads:(i * _PARTS + j + 1) * heads] for j in range(_PARTS)) for i in range(2)]
+    return summed[0], summed[1]
+
+
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *rest, block: int, kv_heads: int, group: int,
+            scale: float, quantized: bool):
+    # int8: the key and value scales after k, v; the expansion matrix after the scratch.
+    n = 2 if quantized else 0
+    scale_refs, (o_ref, m_ref, l_ref, acc_ref), expand_refs = rest[:n], rest[n:n + 4], rest[n + 4:]
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
 
@@ -64,6 +109,10 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for expand_ref in expand_refs:  # token t of a sub-block -> its columns t * kv_heads + h
+            row = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
+            expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
     @pl.when(j * block < length)
     def _():
@@ -72,6 +121,10 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         k = k_ref[...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
         v = v_ref[...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        k_cols = v_cols = None
+        if quantized:
+            k_cols, v_cols = _scale_columns(scale_refs[0][...], scale_refs[1][...], expand_refs[0][...], group=group)
+            s = s * k_cols
         row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         ok = (col % kv_heads == row // group) & (j * block + col // kv_heads < length)
@@ -81,6 +134,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        if v_cols is not None:
+            p = p * v_cols
         pv = jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         m_ref[...] = m_new
@@ -100,12 +155,14 @@ def _interpret(interpret: bool | None) -> bool:
 
 def decode_attention_blocks(
     q: Float[Array, "batch heads head_dim"],
-    k: Float[Array, "layers blocks block kv_heads head_dim"],
-    v: Float[Array, "layers blocks block kv_heads head_dim"],
+    k: Float[Array, "layers blocks block kv_heads head_dim"] | Int8[Array, "layers blocks block kv_heads head_dim"],
+    v: Float[Array, "layers blocks block kv_heads head_dim"] | Int8[Array, "layers blocks block kv_heads head_dim"],
     layer: Int[Array, ""],
     table: Int[Array, "batch blocks_per_seq"],
     lengths: Int[Array, " batch"],
     *,
+    scales: tuple[Float[Array, "layers rows kv_heads row_tokens"], Float[Array, "layers rows kv_heads row_tokens"]]
+    | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "batch heads head_dim"]:
     """Attention of one query per sequence over its blocks of layer `layer`.
@@ -113,47 +170,62 @@ def decode_attention_blocks(
     **Arguments:**
 
     - `q`: each sequence's query (RoPE applied, unscaled).
-    - `k`, `v`: every layer's blocks of keys/values.
+    - `k`, `v`: every layer's blocks of keys/values (int8 with `scales`).
     - `layer`: the layer read.
     - `table`: sequence `b`'s blocks in order; only the first
       `ceil(lengths[b] / block)` are read (later entries may be anything).
     - `lengths`: sequence `b` attends to its keys `[0, lengths[b])` (clipped to at
       least 1 and at most the table's blocks: a finished row whose writes were dropped
       still reads something, and never past its table).
+    - `scales`: for int8 `k, v`, their float32 scales tokens-minor: block `i`'s are
+      `scales[:, i // n, :, (i % n) * block:][..., :block]` with
+      `n = row_tokens // block` (a page pool: one page per row; a dense cache: one
+      sequence per row).
     - `interpret`: run in Pallas's interpreter (any backend; tests); `None`: off a
       TPU only (logged once).
 
     **Returns:** the attention output, like `q`.
     """
-    return _blocks(q, k, v, layer, table, lengths, interpret=_interpret(interpret))
+    return _blocks(q, k, v, layer, table, lengths, scales, interpret=_interpret(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _blocks(q, k, v, layer, table, lengths, *, interpret: bool):
+def _blocks(q, k, v, layer, table, lengths, scales, *, interpret: bool):
     B, N, H = q.shape
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
     table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
     lengths = jnp.clip(lengths, 1, P * block).astype(jnp.int32)
 
-    def kv_index(b, j, layer_ref, lengths_ref, table_ref):
+    def block_id(b, j, lengths_ref, table_ref):
         last = ceil_div(lengths_ref[b], block) - 1
-        return layer_ref[0], table_ref[b * P + jnp.minimum(j, last)], 0, 0, 0
+        return table_ref[b * P + jnp.minimum(j, last)]
+
+    def kv_index(b, j, layer_ref, lengths_ref, table_ref):
+        return layer_ref[0], block_id(b, j, lengths_ref, table_ref), 0, 0, 0
 
     kv_spec = pl.BlockSpec((None, None, block, K, H), kv_index)
     q_spec = pl.BlockSpec((None, N, H), lambda b, j, *_: (b, 0, 0))
+    scratch = [pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, H), jnp.float32)]
+    in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
+    if scales is not None:
+        per_row = scales[0].shape[-1] // block
+
+        def scale_index(b, j, layer_ref, lengths_ref, table_ref):
+            i = block_id(b, j, lengths_ref, table_ref)
+            return layer_ref[0], i // per_row, 0, i % per_row
+
+        in_specs += [pl.BlockSpec((None, None, K, block), scale_index)] * 2
+        operands += [*scales]
+        sub = min(block, _LANES)
+        scratch.append(pltpu.VMEM((sub, sub * K), jnp.bfloat16))
     # The grid walks the longest sequence's blocks, not the table's width (a dynamic
     # bound: an engine's tables are as wide as its longest allowed sequence).
     steps = ceil_div(jnp.max(lengths), block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(B, steps),
-        in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=q_spec,
-        scratch_shapes=[pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32),
-                        pltpu.VMEM((N, H), jnp.float32)],
-    )
-    kernel = functools.partial(_kernel, block=block, kv_heads=K, group=N // K, scale=H**-0.5)
+        num_scalar_prefetch=3, grid=(B, steps), in_specs=in_specs, out_specs=q_spec, scratch_shapes=scratch)
+    kernel = functools.partial(_kernel, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
+                               quantized=scales is not None)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -161,7 +233,7 @@ def _blocks(q, k, v, layer, table, lengths, *, interpret: bool):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="decode_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, table, q, k, v)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, table, *operands)
 
 
 def dense_block(max_len: int, preferred: int = 512) -> int:
@@ -175,21 +247,25 @@ def dense_block(max_len: int, preferred: int = 512) -> int:
 
 def decode_attention_dense(
     q: Float[Array, "batch 1 heads head_dim"],
-    k: Float[Array, "layers batch max_len kv_heads head_dim"],
-    v: Float[Array, "layers batch max_len kv_heads head_dim"],
+    k: Float[Array, "layers batch max_len kv_heads head_dim"] | Int8[Array, "layers batch max_len kv_heads head_dim"],
+    v: Float[Array, "layers batch max_len kv_heads head_dim"] | Int8[Array, "layers batch max_len kv_heads head_dim"],
     layer: Int[Array, ""],
     lengths: Int[Array, " batch"],
     *,
+    scales: tuple[Float[Array, "layers batch kv_heads max_len"], Float[Array, "layers batch kv_heads max_len"]]
+    | None = None,
     block: int = 512,
     interpret: bool | None = None,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`decode_attention_blocks` over layer `layer` of a dense stacked cache, read in
     place in blocks of `dense_block(max_len, block)` tokens.
 
-    `interpret`: as for `decode_attention_blocks`.
+    `scales`, `interpret`: as for `decode_attention_blocks` (a dense cache's scales,
+    tokens-minor, are already one sequence per row).
     """
     L, B, S, K, H = k.shape
     blk = dense_block(S, block)
     blocks = k.reshape(L, B * (S // blk), blk, K, H), v.reshape(L, B * (S // blk), blk, K, H)
     table = jnp.arange(B)[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
-    return decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, interpret=interpret)[:, None]
+    out = decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, scales=scales, interpret=interpret)
+    return out[:, None]

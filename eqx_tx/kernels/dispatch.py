@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from ..core.compute import AttentionImpl, ComputeConfig
 from ..core.log import log_once
 from ..core.sharding import AnyMesh, current_mesh, mesh_axis_size
-from .decode_tpu import INT8_REASON, decode_tpu_reason
+from .decode_tpu import decode_tpu_reason, dense_block
 from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
@@ -119,7 +119,8 @@ def _splash_reason(q_shape, k_shape, cache: CacheKind, q_offset, mesh) -> str | 
     return None
 
 
-def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, *, interpreted: bool = False) -> str | None:
+def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, page_size: int | None, *,
+                   interpreted: bool = False) -> str | None:
     """Why the decode kernel cannot run here (`None` if it can); `interpreted`: in
     Pallas's interpreter (off a TPU), which takes any shape."""
     platform = target_platform(mesh)
@@ -131,18 +132,23 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, *, interpret
         return f"{q_shape[1]} queries per sequence (the kernel decodes one)"
     if mesh is not None and mesh.size > 1:
         return f"a mesh of {mesh.size} devices"
-    if cache in ("int8", "paged_int8"):
-        return INT8_REASON
     if interpreted:
         return None
-    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype)
+    int8_block = None
+    if cache == "int8":
+        int8_block = dense_block(k_shape[1])
+    elif cache == "paged_int8":
+        assert page_size is not None, "a page pool's page size"
+        int8_block = page_size
+    return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype,
+                             int8_block=int8_block)
 
 
-def _requested_decode(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> AttentionChoice:
+def _requested_decode(q_shape, k_shape, dtype, cache: CacheKind, mesh, page_size) -> AttentionChoice:
     """`decode_tpu` as requested for a decoding call: the kernel, in Pallas's
     interpreter off a TPU; `ValueError` naming why it cannot run."""
     platform = target_platform(mesh)
-    reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, interpreted=platform != "tpu")
+    reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, page_size, interpreted=platform != "tpu")
     if reason is not None:
         raise ValueError(f"attention implementation 'decode_tpu' cannot run: {reason}")
     return AttentionChoice("decode_tpu", "requested" + ("" if platform == "tpu" else
@@ -150,7 +156,7 @@ def _requested_decode(q_shape, k_shape, dtype, cache: CacheKind, mesh) -> Attent
 
 
 def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested: AttentionImpl,
-            segmented: bool) -> AttentionChoice:
+            segmented: bool, page_size: int | None) -> AttentionChoice:
     T, S = q_shape[1], k_shape[1]
     if segmented and cache != "none":
         raise ValueError("segment ids (packed sequences) are for attention without a KV cache")
@@ -160,22 +166,24 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp")
     if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
         if T == 1 and cache != "none":
-            return _requested_decode(q_shape, k_shape, dtype, cache, mesh)
+            return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)
         requested = "auto"
-    decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh)
+    decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, page_size)
     if requested == "auto" and decode_reason is None:
         return AttentionChoice("decode_tpu", "one query per sequence, the stacked cache read in place")
     if cache in ("paged", "paged_int8"):
         if requested != "auto":
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
                                             "block by block, eqx_tx.kernels.paged")
-        return AttentionChoice("paged", "the page pool walked block by block, eqx_tx.kernels.paged")
+        why = f"; not decode_tpu because {decode_reason}" if T == 1 and target_platform(mesh) == "tpu" else ""
+        return AttentionChoice("paged", f"the page pool walked block by block, eqx_tx.kernels.paged{why}")
     if cache == "int8":
         if requested == "cudnn":
             raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
         if requested == "xla":
             return AttentionChoice("xla", "requested; the int8 cache is dequantized whole (reference)")
-        return AttentionChoice("blockwise", "the KV cache is int8 (dequantized block by block)")
+        why = f", not decode_tpu because {decode_reason}" if T == 1 and target_platform(mesh) == "tpu" else ""
+        return AttentionChoice("blockwise", f"the KV cache is int8 (dequantized block by block{why})")
     if segmented and requested in ("cudnn", "auto"):
         # jax.nn.dot_product_attention's cuDNN path takes no segment ids.
         why = "segment ids (packed sequences): cuDNN path takes none"
@@ -217,6 +225,7 @@ def select_attention(
     mesh: AnyMesh | None,
     compute: ComputeConfig,
     segmented: bool = False,
+    page_size: int | None = None,
 ) -> AttentionChoice:
     """Choose the attention backend (logged once per distinct choice and reason).
 
@@ -233,11 +242,14 @@ def select_attention(
     - `compute`: the requested implementation (`compute.attention`) and tile sizes.
     - `segmented`: the queries carry segment ids (packed documents); cuDNN then
       falls back to blockwise, logged.
+    - `page_size`: a page pool's tokens per page (an int8 pool's scales are read a
+      page at a time).
 
     **Returns:** an `AttentionChoice` with its tile sizes; a request that cannot run
     raises `ValueError`.
     """
-    choice = _choose(tuple(q_shape), tuple(k_shape), dtype, cache, q_offset, mesh, compute.attention, segmented)
+    choice = _choose(tuple(q_shape), tuple(k_shape), dtype, cache, q_offset, mesh, compute.attention, segmented,
+                     page_size)
     if choice.backend == "splash":
         default_q, default_kv = SPLASH_BLOCKS
     else:

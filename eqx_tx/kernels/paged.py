@@ -35,7 +35,8 @@ def paged_attention(
 
     - `q`: queries at `q_positions` (RoPE applied).
     - `pool_k`, `pool_v`: `[layers, pages, page_size, kv_heads, head_dim]` (or
-      `Quantized` int8 values with `[layers, pages, page_size, kv_heads]` scales).
+      int8 values in a `Quantized` whose scales keep the pool's tokens-minor layout,
+      `[layers, pages, kv_heads, page_size]`).
     - `layer`: the layer to read.
     - `page_table`: each sequence's pages; entries past its length are never read
       unmasked (unallocated ids are clipped into the pool, then masked).
@@ -60,7 +61,7 @@ def paged_attention(
     def load(pool, pages):
         """`[B, S, K, H]` keys or values of `pages [B, bp]` in layer `layer`, in q's dtype."""
         if isinstance(pool, Quantized):
-            x = Quantized(pool.values[layer, pages], pool.scale[layer, pages]).dequantize(q.dtype)
+            x = Quantized(pool.values[layer, pages], jnp.swapaxes(pool.scale[layer, pages], -1, -2)).dequantize(q.dtype)
         else:
             x = pool[layer, pages].astype(q.dtype)
         return x.reshape(B, S, K, H)

@@ -7,7 +7,12 @@ import pytest
 
 import eqx_tx
 from eqx_tx.kernels import dispatch
-from eqx_tx.kernels.decode_tpu import decode_attention_blocks, decode_attention_dense, dense_block
+from eqx_tx.kernels.decode_tpu import (
+    decode_attention_blocks,
+    decode_attention_dense,
+    dense_block,
+)
+from eqx_tx.kernels.quantized import Quantized
 from tests.hf_utils import make_hf_checkpoint
 
 
@@ -59,13 +64,53 @@ def test_blocks_through_a_table_equal_the_reference():
     np.testing.assert_allclose(np.asarray(out), _reference(q, gathered(k), gathered(v), lengths), atol=1e-5)
 
 
+def _quantized(x):
+    """int8 values and tokens-minor scales (`[..., kv_heads, tokens]`, as the caches
+    store them) of `x [..., tokens, kv_heads, head_dim]`, and `x` as they give it back."""
+    q = Quantized.quantize(jnp.asarray(x))
+    return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged):
+    """int8 keys/values with scales per (token, kv head): the kernel equals attention
+    over the dequantized cache, read in place (dense, blocks of 256 and of 128 split
+    into two lane tiles) and through a shuffled page table (pages of 128, 2 query
+    heads per kv head)."""
+    rng = np.random.default_rng(2)
+    K, H, N = 8, 128, 16
+    if paged:
+        L, pages, page = 2, 6, 128
+        k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) * 3 for _ in range(2))
+        (kq, ks, kd), (vq, vs, vd) = _quantized(k), _quantized(v)
+        order = rng.permutation(pages)
+        table = np.array([order[:3], np.r_[order[3:5], pages]])
+        lengths = np.array([300, 129])
+        q = rng.standard_normal((2, N, H)).astype(np.float32)
+        out = decode_attention_blocks(jnp.asarray(q), kq, vq, jnp.asarray(1), jnp.asarray(table),
+                                      jnp.asarray(lengths), scales=(ks, vs), interpret=True)
+        gathered = lambda x: np.stack([x[1, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
+        want = _reference(q, gathered(kd), gathered(vd), lengths)
+    else:
+        L, B, S = 2, 3, 512
+        k, v = (rng.standard_normal((L, B, S, K, H)).astype(np.float32) * 3 for _ in range(2))
+        (kq, ks, kd), (vq, vs, vd) = _quantized(k), _quantized(v)
+        lengths = np.array([1, 200, S])
+        q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
+        out = decode_attention_dense(jnp.asarray(q), kq, vq, jnp.asarray(0), jnp.asarray(lengths), scales=(ks, vs),
+                                     block=256, interpret=True)[:, 0]
+        want = _reference(q[:, 0], kd[0], vd[0], lengths)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+
+
 def test_dense_block_divides_the_cache():
     assert dense_block(4096) == 512 and dense_block(640) == 128 and dense_block(576) == 64 and dense_block(100) == 4
 
 
-def _choose(q=(64, 1, 16, 128), k=(64, 1024, 8, 128), cache="dense", dtype=jnp.bfloat16, **compute):
+def _choose(q=(64, 1, 16, 128), k=(64, 1024, 8, 128), cache="dense", dtype=jnp.bfloat16, page_size=None,
+            **compute):
     return dispatch.select_attention(q, k, dtype, cache=cache, q_offset=jnp.zeros(q[0], jnp.int32), mesh=None,
-                                     compute=eqx_tx.ComputeConfig(**compute))
+                                     compute=eqx_tx.ComputeConfig(**compute), page_size=page_size)
 
 
 def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
@@ -77,23 +122,31 @@ def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
                     (dict(q=(64, 1, 16, 64), k=(64, 1024, 8, 64)), "head_dim 64")]:
         choice = _choose(**kw)
         assert choice.backend != "decode_tpu" and (why in choice.reason or kw.get("q", (0, 1))[1] != 1), choice
-    assert _choose(cache="int8").backend == "blockwise"  # int8 stays blockwise (logged)
+    assert _choose(cache="int8").backend == "decode_tpu"  # 1024 slots: blocks of 512
+    # int8 scales are read [kv_heads, block]: a block of 64 tokens is not a whole lane tile.
+    choice = _choose(cache="int8", k=(64, 1088, 8, 128))
+    assert choice.backend == "blockwise" and "blocks of 64 tokens" in choice.reason, choice
     assert _choose(q=(64, 4, 16, 128), attention="decode_tpu").backend == "xla"  # not decoding: as under auto
     with pytest.raises(ValueError, match="'decode_tpu' cannot run: head_dim 64"):
         _choose(q=(64, 1, 16, 64), k=(64, 1024, 8, 64), attention="decode_tpu")
-    assert _choose(cache="paged").backend == "decode_tpu"
-    assert _choose(cache="paged_int8").backend == "paged"
+    assert _choose(cache="paged", page_size=16).backend == "decode_tpu"
+    assert _choose(cache="paged_int8", page_size=128).backend == "decode_tpu"
+    choice = _choose(cache="paged_int8", page_size=16)
+    assert choice.backend == "paged" and "blocks of 16 tokens" in choice.reason, choice
+    with pytest.raises(ValueError, match="'decode_tpu' cannot run: int8 scales read in blocks of 16"):
+        _choose(cache="paged_int8", page_size=16, attention="decode_tpu")
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "cpu")
     assert "Pallas interpreter" in _choose(q=(4, 1, 4, 16), k=(4, 64, 2, 16), attention="decode_tpu").reason
-    for cache in ("int8", "paged_int8"):  # the kernel reads no int8 cache, not even interpreted
-        with pytest.raises(ValueError, match="'decode_tpu' cannot run: the cache is int8"):
-            _choose(cache=cache, attention="decode_tpu")
+    for cache in ("int8", "paged_int8"):  # the interpreter takes any block
+        assert _choose(cache=cache, page_size=16, attention="decode_tpu").backend == "decode_tpu"
 
 
-def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch, cache_dtype):
     """Greedy and sampled tokens and their log-probs from `generate` with every decode
-    step's attention on the kernel (interpreted) equal those of the xla path; prompts
-    of different lengths, `n=2` samples each."""
+    step's attention on the kernel (interpreted) equal those of the xla path (which
+    dequantizes an int8 cache whole); prompts of different lengths, `n=2` samples
+    each."""
     from eqx_tx.cache import dense
 
     calls = []
@@ -107,7 +160,7 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch):
               eqx_tx.SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)]
 
     def run(attention):
-        return eqx_tx.generate(model, prompts, params, n=2, share_prefix=False,
+        return eqx_tx.generate(model, prompts, params, n=2, share_prefix=False, cache_dtype=cache_dtype,
                                compute=eqx_tx.ComputeConfig(attention=attention))
 
     want, got = run("xla"), run("decode_tpu")
@@ -117,10 +170,12 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch):
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
 
 
-def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monkeypatch, cache_dtype):
     """The engine's decode steps read the pool's pages in place (kernel interpreted);
-    every request equals `generate` alone on the xla path, with requests waiting for
-    pages and arriving while others run (the page tables change under the kernel)."""
+    every request equals `generate` alone on the xla path (int8: in an int8 cache
+    too), with requests waiting for pages and arriving while others run (the page
+    tables change under the kernel)."""
     from eqx_tx.cache import paged
     from tests.test_engine import _assert_equal_to_generate, _workload
 
@@ -129,8 +184,9 @@ def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monke
                         lambda *a, **kw: calls.append(a[1].shape) or decode_attention_blocks(*a, **kw))
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
     requests = _workload(model.config.vocab_size, seed=0)[:4]
+    dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
     engine = eqx_tx.Engine(model, max_seqs=2, max_tokens_in_cache=64, page_size=8, prefill_chunk=16,
-                           compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
+                           cache_dtype=dtype, compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
     results = engine.run(requests)
     assert calls and engine.stats()["preemptions"] > 0
-    _assert_equal_to_generate(model, requests, results)
+    _assert_equal_to_generate(model, requests, results, cache_dtype=dtype)

@@ -1,0 +1,96 @@
+"""Decode against the bandwidth roofline at each (context, batch, KV dtype): issue 40's grid.
+
+For each `context:batch:dtype` setting (`dtype` `bf16` or `int8`): `batch` random
+prompts of `context` tokens are prefilled (Qwen3-0.6B shape, random bf16 weights),
+`generate`'s decode loop runs `--warm` steps, then `--steps` more are timed (one
+compiled program, one call: no prefill, compilation or host work in the figure).
+The roofline step reads every weight once and each row's live keys/values (mean
+context over the timed steps; int8: the values and their float32 scales) at the data
+sheet's bandwidth. A setting that does not fit prints so and the sweep goes on; the
+sweep stops before `--budget-s`.
+
+    python benchmarks/decode_sweep.py --settings 1024:1:bf16 1024:64:bf16 1024:64:int8 4096:16:bf16
+"""
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from model_flops import decode_bytes_per_token
+
+import eqx_tx
+from eqx_tx.infer import generation
+from eqx_tx.infer.sampling import SamplerArrays, SamplingParams
+from eqx_tx.models.presets import preset
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    settings: tuple[str, ...] = ("1024:1:bf16", "1024:64:bf16", "1024:64:int8")
+    """`context:batch:dtype` triples (`dtype`: the KV cache's, `bf16` or `int8`)."""
+    preset: str = "qwen3-0.6b"
+    attention: str = "auto"
+    warm: int = 8
+    steps: int = 64
+    bandwidth_gbs: float = 819.0
+    """The roofline's bandwidth (TPU v5e data sheet)."""
+    budget_s: float = 540.0
+    """Skip the settings left once this many seconds have passed."""
+
+
+def kv_bytes(cfg, dtype: str) -> float:
+    """Bytes per cached key or value element: bf16 2, int8 1 plus its share of a
+    float32 scale per head."""
+    return 2.0 if dtype == "bf16" else 1.0 + 4.0 / cfg.head_dim
+
+
+def measure(model, cfg, context: int, batch: int, dtype: str, args: Args, rng) -> dict:
+    compute = eqx_tx.ComputeConfig(attention=args.attention)  # type: ignore[arg-type]
+    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
+    params = [SamplingParams(max_new_tokens=args.warm + args.steps + 1, stop_token_ids=())] * batch
+    plan, seq_params, samples = generation._plan(prompts, params, 1, True, None)
+    sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples)
+    t = time.perf_counter()
+    state = generation._prefill_state(model, plan, None if dtype == "bf16" else "int8", compute)
+    state = generation.decode(model, state, sampler, jnp.asarray(args.warm, jnp.int32), compute=compute)
+    jax.block_until_ready(state)
+    first_s = time.perf_counter() - t
+    t = time.perf_counter()
+    state = generation.decode(model, state, sampler, jnp.asarray(args.steps, jnp.int32), compute=compute)
+    jax.block_until_ready(state)
+    step_ms = 1e3 * (time.perf_counter() - t) / args.steps
+    assert int(state.step) == args.warm + args.steps
+    mean_context = context + args.warm + args.steps / 2
+    roofline_ms = 1e3 * decode_bytes_per_token(cfg, 2, kv_length=batch * mean_context,
+                                               kv_bytes=kv_bytes(cfg, dtype)) / (args.bandwidth_gbs * 1e9)
+    return {"context": context, "batch": batch, "kv": dtype, "step_ms": round(step_ms, 3),
+            "roofline_ms": round(roofline_ms, 3), "of_roofline": f"{roofline_ms / step_ms:.0%}",
+            "tokens_per_s": round(batch / step_ms * 1e3), "first_call_s": round(first_s, 1)}
+
+
+def main(args: Args) -> None:
+    eqx_tx.enable_console_logging()
+    start = time.perf_counter()
+    cfg = preset(args.preset)
+    model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    for setting in args.settings:
+        context, batch, dtype = setting.split(":")
+        if dtype not in ("bf16", "int8"):
+            raise ValueError(f"setting {setting!r}: the KV dtype is bf16 or int8, not {dtype!r}")
+        if time.perf_counter() - start > args.budget_s:
+            print(json.dumps({"setting": setting, "skipped": f"over the {args.budget_s:.0f} s budget"}), flush=True)
+            continue
+        try:
+            row = measure(model, cfg, int(context), int(batch), dtype, args, rng)
+        except Exception as e:  # RESOURCE_EXHAUSTED (does not fit), or a kernel that does not compile
+            row = {"setting": setting, "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
