@@ -68,7 +68,8 @@ def main(args: Args) -> None:
         seconds = time.perf_counter() - t
         generated = sum(len(r.tokens) for r in results)
         row = {"attention": attention, "page_size": page, "kv": kv, "requests": args.requests,
-               "max_seqs": args.max_seqs, "prompt": args.prompt, "new": args.new, "tokens_per_s": round(generated / seconds),
+               "max_seqs": args.max_seqs, "prompt": args.prompt, "new": args.new,
+               "tokens_per_s": round(generated / seconds),
                "decode_roofline_tokens_per_s": round(roofline),
                "of_roofline": f"{generated / seconds / roofline:.0%}",
                "first_run_s": round(compile_s, 1)}

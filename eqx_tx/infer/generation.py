@@ -37,10 +37,13 @@ from .sampling import SamplerArrays, SamplingParams, sample_batch
 from .steps import STOP_REASONS, Generation, check_requests, decode_one, last_token_logits
 from .text import Message, Tokenizer
 
-CACHE_BLOCK = 128
-"""A dense cache's slots come in whole multiples of this: the TPU decode kernel reads
-it in blocks of up to 512 tokens that divide it, and an int8 cache's scales in lane
-tiles of 128 tokens."""
+
+def cache_multiple() -> int:
+    """A dense cache's slots come in whole multiples of this: 128 on a TPU, whose decode
+    kernel reads the cache in blocks of up to 512 tokens that divide it (an int8
+    cache's scales in lane tiles of 128 tokens); 16 elsewhere, where attention reads
+    every slot (the xla path) and fewer are faster."""
+    return 128 if target_platform(current_mesh()) == "tpu" else 16
 
 
 class DecodeState(eqx.Module):
@@ -209,8 +212,8 @@ def _plan(prompts, params, n: int, share_prefix: bool, prefill_chunk_size) -> tu
     max_new = max(sp.max_new_tokens for sp in params)
     if shared:
         cache_len = round_up(int(lengths.max()), 16)
-    else:  # whole 128-token blocks: a TPU's decode kernel reads the cache (and int8 scales' lanes) in them
-        cache_len = round_up(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), CACHE_BLOCK)
+    else:
+        cache_len = round_up(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
     plan = _Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
     sequence_params = [sp for sp in params for _ in range(n)] if shared else params
     samples = list(range(n)) * (plan.S // n)
@@ -400,6 +403,6 @@ def teacher_forced_logits(
     steps = steps.pop()
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     with mesh_context(model):
-        cache = _cache_for(model, len(prompts), round_up(int(lengths.max()) + steps, CACHE_BLOCK), cache_dtype)
+        cache = _cache_for(model, len(prompts), round_up(int(lengths.max()) + steps, cache_multiple()), cache_dtype)
         return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)
