@@ -5,9 +5,8 @@ that `KVCache` and `PagedKVCache` hold; `zero_kv` and `store_kv` create and writ
 them the same way for both.
 
 Keys/values are `[..., tokens, kv_heads, head_dim]`; their scales are stored
-tokens-minor, `[..., kv_heads, tokens]`. On a TPU an array's last two axes are laid
-out in 8 x 128 tiles: `[..., tokens, kv_heads=8]` float32 scales would pad 8 lanes to
-128 (16x their bytes, a third of an int8 cache's), `[..., 8, tokens]` pads nothing.
+tokens-minor, `[..., kv_heads, tokens]`: what the TPU decode kernel reads, a
+`[kv_heads, block]` tile per block of tokens (`eqx_tx.kernels.decode_tpu`).
 `KVStorage.pair` hands them out as `Quantized` (`[..., tokens, kv_heads]`) all the
 same.
 """

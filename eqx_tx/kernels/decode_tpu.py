@@ -22,9 +22,8 @@ to spare (a Qwen3-0.6B row reads 4 KiB per cached token for 64 kFLOP here: far
 below the MXU's rate per byte of HBM), in exchange for no relayout of the block.
 
 An int8 cache comes with float32 scales per (token, kv head), stored tokens-minor
-(`[..., kv_heads, tokens]`: `[kv_heads, block]` per block, 8 x 128 tiles with no
-padding, where `[..., tokens, kv_heads]` would pad 8 lanes to 128 and read 16x the
-scales' bytes). The score of column `(token t, kv head h)` is multiplied by
+(`[..., kv_heads, tokens]`: a `[kv_heads, block]` tile per block, tokens along the
+lanes). The score of column `(token t, kv head h)` is multiplied by
 `k_scale[h, t]` and each probability by `v_scale[h, t]` before `p @ v`; the scales
 reach those columns by two exact one-pass matmuls (a head selection, then a 0/1
 expansion of each token to its `kv_heads` columns), so no vector moves between

@@ -9,6 +9,8 @@ once per distinct reason:
   travel around the `sp` ring, blockwise inside (`eqx_tx.kernels.ring`).
 - `"shared_prefix"`: `n` samples reading one stored prompt plus their own
   completions, merged by log-sum-exp (`eqx_tx.kernels.shared_prefix`).
+- `"decode_tpu"`: on a TPU, one query per sequence over a dense cache or page pool
+  (bf16 or int8) read in place by a Pallas kernel (`eqx_tx.kernels.decode_tpu`).
 - `"paged"`: the engine's page pool, walked block by block (`eqx_tx.kernels.paged`);
   another requested implementation cannot read a page pool, which is logged.
 - `"cudnn"`, `"splash"`, `"blockwise"`, `"xla"`: the single-device kernels of
