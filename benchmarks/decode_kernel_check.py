@@ -18,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_flops import kv_element_bytes
 
 from eqx_tx.kernels.decode_tpu import decode_attention_blocks, decode_attention_dense
 from eqx_tx.kernels.quantized import Quantized
@@ -65,7 +66,20 @@ def quantized(x):
     return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32), np.float64)
 
 
+def stored(k, v, dtype: str):
+    """`k, v` as a cache of `dtype` stores them, their float64 values as it gives them
+    back, and the int8 scales (tokens-minor; `None` for bf16)."""
+    if dtype == "bf16":
+        kk, vv = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+        return (kk, vv), (np.asarray(kk, np.float64), np.asarray(vv, np.float64)), None
+    (kk, ks, kd), (vv, vs, vd) = quantized(k), quantized(v)
+    return (kk, vv), (kd, vd), (ks, vs)
+
+
 def main() -> None:
+    if jax.default_backend() != "tpu":
+        raise SystemExit(f"decode_kernel_check compiles the kernel with Mosaic and reads the TPU allocator: "
+                         f"it needs a TPU (backend is {jax.default_backend()})")
     L, pages, page, K, H, N = 28, 512, 128, 8, 128, 16
     rows = {"logical_scale_bytes": L * pages * page * K * 4,
             "scales_tokens_major": allocated_bytes((L, pages, page, K), jnp.float32),
@@ -84,8 +98,7 @@ def main() -> None:
     for dtype, kk, scales in (("bf16", k, None), ("int8", kq, (ks, ks))):
         fn = jax.jit(lambda q, k, scales: decode_attention_dense(q, k, k, jnp.asarray(0), lengths, scales=scales))
         us = kernel_us(fn, q, kk, scales)
-        per_elem = 2.0 if dtype == "bf16" else 1.0 + 4.0 / H
-        read = 2 * B * 1100 * K * H * per_elem
+        read = 2 * B * 1100 * K * H * kv_element_bytes(H, dtype)
         print(json.dumps({"kernel_alone": dtype, "batch": B, "live": 1100, "us": round(us, 1),
                           "GB_per_s": round(read / us / 1e3, 1)}), flush=True)
 
@@ -96,12 +109,7 @@ def main() -> None:
     k, v = (rng.standard_normal((Ld, B, S, K, H)) * 2 for _ in range(2))
     q = rng.standard_normal((B, 1, N, H))
     for dtype in ("bf16", "int8"):
-        if dtype == "bf16":
-            kk, vv = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-            kd, vd, scales = np.asarray(kk, np.float64), np.asarray(vv, np.float64), None
-        else:
-            (kk, ks, kd), (vv, vs, vd) = quantized(k), quantized(v)
-            scales = (ks, vs)
+        (kk, vv), (kd, vd), scales = stored(k, v, dtype)
         for q_dtype in (jnp.bfloat16, jnp.float32):
             qq = jnp.asarray(q, q_dtype)
             out = decode_attention_dense(qq, kk, vv, jnp.asarray(1), jnp.asarray(lengths), scales=scales)
@@ -117,12 +125,7 @@ def main() -> None:
     q = rng.standard_normal((2, N, H))
     gathered = lambda x: np.stack([x[0, row].reshape(-1, K, H) for row in table])  # noqa: E731
     for dtype in ("bf16", "int8"):
-        if dtype == "bf16":
-            kk, vv = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-            kd, vd, scales = np.asarray(kk, np.float64), np.asarray(vv, np.float64), None
-        else:
-            (kk, ks, kd), (vv, vs, vd) = quantized(k), quantized(v)
-            scales = (ks, vs)
+        (kk, vv), (kd, vd), scales = stored(k, v, dtype)
         for q_dtype in (jnp.bfloat16, jnp.float32):
             qq = jnp.asarray(q, q_dtype)
             out = decode_attention_blocks(qq, kk, vv, jnp.asarray(0), jnp.asarray(table), jnp.asarray(lengths),

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-from model_flops import decode_bytes_per_token
+from model_flops import decode_bytes_per_token, kv_element_bytes
 
 import eqx_tx
 from eqx_tx.infer import generation
@@ -42,12 +42,6 @@ class Args:
     """Skip the settings left once this many seconds have passed."""
 
 
-def kv_bytes(cfg, dtype: str) -> float:
-    """Bytes per cached key or value element: bf16 2, int8 1 plus its share of a
-    float32 scale per head."""
-    return 2.0 if dtype == "bf16" else 1.0 + 4.0 / cfg.head_dim
-
-
 def measure(model, cfg, context: int, batch: int, dtype: str, args: Args, rng) -> dict:
     compute = eqx_tx.ComputeConfig(attention=args.attention)  # type: ignore[arg-type]
     prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
@@ -65,8 +59,9 @@ def measure(model, cfg, context: int, batch: int, dtype: str, args: Args, rng) -
     step_ms = 1e3 * (time.perf_counter() - t) / args.steps
     assert int(state.step) == args.warm + args.steps
     mean_context = context + args.warm + args.steps / 2
-    roofline_ms = 1e3 * decode_bytes_per_token(cfg, 2, kv_length=batch * mean_context,
-                                               kv_bytes=kv_bytes(cfg, dtype)) / (args.bandwidth_gbs * 1e9)
+    step_bytes = decode_bytes_per_token(cfg, 2, kv_length=batch * mean_context,
+                                        kv_bytes=kv_element_bytes(cfg.head_dim, dtype))
+    roofline_ms = 1e3 * step_bytes / (args.bandwidth_gbs * 1e9)
     return {"context": context, "batch": batch, "kv": dtype, "step_ms": round(step_ms, 3),
             "roofline_ms": round(roofline_ms, 3), "of_roofline": f"{roofline_ms / step_ms:.0%}",
             "tokens_per_s": round(batch / step_ms * 1e3), "first_call_s": round(first_s, 1)}

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-from model_flops import decode_bytes_per_token
+from model_flops import decode_bytes_per_token, kv_element_bytes
 
 import eqx_tx
 from eqx_tx.infer.sampling import SamplingParams
@@ -51,9 +51,8 @@ def main(args: Args) -> None:
                  SamplingParams(max_new_tokens=args.new, stop_token_ids=())) for _ in range(args.requests)]
     rows = min(args.max_seqs, args.requests)
     for attention, page, kv in itertools.product(args.attentions, args.page_sizes, args.kv_dtypes):
-        kv_bytes = 2.0 if kv == "bf16" else 1.0 + 4.0 / cfg.head_dim  # int8: values and their float32 scales
         step_s = decode_bytes_per_token(cfg, 2, kv_length=rows * (args.prompt + args.new / 2),
-                                        kv_bytes=kv_bytes) / (args.bandwidth_gbs * 1e9)
+                                        kv_bytes=kv_element_bytes(cfg.head_dim, kv)) / (args.bandwidth_gbs * 1e9)
         roofline = rows / step_s
         engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page, max_seq_len=args.prompt + args.new,
                                max_tokens_in_cache=rows * (args.prompt + args.new + page),

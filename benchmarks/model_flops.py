@@ -25,6 +25,14 @@ def prefill_flops(cfg, B: int, T: int) -> float:
     return B * T * (2 * matmul_params(cfg, head=False) + attention) + 2 * B * cfg.vocab_size * cfg.hidden_size
 
 
+def kv_element_bytes(head_dim: int, kv: str) -> float:
+    """Bytes per cached key or value element: `bf16` 2; `int8` 1 plus its share of a
+    float32 scale per head."""
+    if kv not in ("bf16", "int8"):
+        raise ValueError(f"KV dtype is bf16 or int8, not {kv!r}")
+    return 2.0 if kv == "bf16" else 1.0 + 4.0 / head_dim
+
+
 def decode_bytes_per_token(cfg, bytes_per_param: int, kv_length: float = 0, kv_bytes: float = 2) -> float:
     """Bytes read per decode step at batch 1: every layer, the final norm, the LM head,
     and the keys and values of `kv_length` cached positions (`kv_bytes` per element:

@@ -119,8 +119,7 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
             if mask.kv_lengths is not None:
                 lengths = jnp.minimum(lengths, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
-            scales = None if cache.k_scale is None or cache.v_scale is None else (cache.k_scale, cache.v_scale)
-            o = decode_attention_dense(q, cache.k, cache.v, layer, lengths, scales=scales, interpret=interpret)
+            o = decode_attention_dense(q, cache.k, cache.v, layer, lengths, scales=cache.scales, interpret=interpret)
             return o, cache
         if own_keys:
             keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)

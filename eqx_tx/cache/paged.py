@@ -85,8 +85,9 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         """The whole key and value pools, for `eqx_tx.kernels.paged.paged_attention`
         (for an int8 pool `Quantized` pairs whose scales keep the pool's tokens-minor
         layout: the kernel swaps the pages it gathers, not the pool)."""
-        if self.k_scale is not None and self.v_scale is not None:
-            return Quantized(self.k, self.k_scale), Quantized(self.v, self.v_scale)
+        if self.scales is not None:
+            k_scale, v_scale = self.scales
+            return Quantized(self.k, k_scale), Quantized(self.v, v_scale)
         return self.k, self.v
 
     def write(
@@ -123,8 +124,7 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
-            scales = None if cache.k_scale is None or cache.v_scale is None else (cache.k_scale, cache.v_scale)
-            o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths, scales=scales,
-                                        interpret=interpret)
+            o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
+                                        scales=cache.scales, interpret=interpret)
             return o[:, None], cache
         return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache

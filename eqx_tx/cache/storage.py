@@ -33,13 +33,21 @@ class KVStorage(eqx.Module):
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def scales(self) -> tuple[Array, Array] | None:
+        """The key and value scales as stored (tokens-minor), or `None` unless int8."""
+        if self.k_scale is None or self.v_scale is None:
+            return None
+        return self.k_scale, self.v_scale
+
     def pair(self, pick: Callable[[Array], Array]) -> tuple[Array | Quantized, Array | Quantized]:
         """`pick` applied to the keys and to the values (as `Quantized` pairs with their
         scales for int8; `pick` sees the scales tokens-minor and they come back
         `[..., tokens, kv_heads]`)."""
-        if self.k_scale is not None and self.v_scale is not None:
-            return (Quantized(pick(self.k), jnp.swapaxes(pick(self.k_scale), -1, -2)),
-                    Quantized(pick(self.v), jnp.swapaxes(pick(self.v_scale), -1, -2)))
+        if self.scales is not None:
+            k_scale, v_scale = self.scales
+            return (Quantized(pick(self.k), jnp.swapaxes(pick(k_scale), -1, -2)),
+                    Quantized(pick(self.v), jnp.swapaxes(pick(v_scale), -1, -2)))
         return pick(self.k), pick(self.v)
 
 
@@ -60,10 +68,11 @@ def store_kv(cache: C, put: Callable[[Array, Array], Array], put_scale: Callable
     """`cache` with `put(buffer, new)` applied to its keys and values (quantized first
     for an int8 cache, and `put_scale(scales, new [..., tokens, kv_heads])` to their
     tokens-minor scales)."""
-    if cache.k_scale is not None and cache.v_scale is not None:
+    if cache.scales is not None:
         kq, vq = Quantized.quantize(k_new), Quantized.quantize(v_new)
-        new = (put(cache.k, kq.values), put(cache.v, vq.values), put_scale(cache.k_scale, kq.scale),
-               put_scale(cache.v_scale, vq.scale))
+        k_scale, v_scale = cache.scales
+        new = (put(cache.k, kq.values), put(cache.v, vq.values), put_scale(k_scale, kq.scale),
+               put_scale(v_scale, vq.scale))
         return eqx.tree_at(lambda c: (c.k, c.v, c.k_scale, c.v_scale), cache, new)
     new = (put(cache.k, k_new), put(cache.v, v_new))
     return eqx.tree_at(lambda c: (c.k, c.v), cache, new)

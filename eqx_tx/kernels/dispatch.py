@@ -173,18 +173,20 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
     decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, page_size)
     if requested == "auto" and decode_reason is None:
         return AttentionChoice("decode_tpu", "one query per sequence, the stacked cache read in place")
+    # A decoding call on a TPU that falls back says why the kernel did not run.
+    not_decode = f"not decode_tpu because {decode_reason}" if T == 1 and target_platform(mesh) == "tpu" else None
     if cache in ("paged", "paged_int8"):
         if requested != "auto":
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
                                             "block by block, eqx_tx.kernels.paged")
-        why = f"; not decode_tpu because {decode_reason}" if T == 1 and target_platform(mesh) == "tpu" else ""
+        why = f"; {not_decode}" if not_decode else ""
         return AttentionChoice("paged", f"the page pool walked block by block, eqx_tx.kernels.paged{why}")
     if cache == "int8":
         if requested == "cudnn":
             raise ValueError("attention implementation 'cudnn' cannot read an int8 KV cache; use blockwise")
         if requested == "xla":
             return AttentionChoice("xla", "requested; the int8 cache is dequantized whole (reference)")
-        why = f", not decode_tpu because {decode_reason}" if T == 1 and target_platform(mesh) == "tpu" else ""
+        why = f", {not_decode}" if not_decode else ""
         return AttentionChoice("blockwise", f"the KV cache is int8 (dequantized block by block{why})")
     if segmented and requested in ("cudnn", "auto"):
         # jax.nn.dot_product_attention's cuDNN path takes no segment ids.
@@ -212,8 +214,8 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
             return AttentionChoice("splash", f"not cudnn because {reason}; seq={T}")
         return AttentionChoice("blockwise", f"not cudnn because {reason}, not splash because {splash_reason} "
                                             f"(q_seq={T}, kv_seq={S})")
-    if cache == "dense" and T == 1 and target_platform(mesh) == "tpu":
-        reason = f"{reason}, not decode_tpu because {decode_reason}"
+    if cache == "dense" and not_decode:
+        reason = f"{reason}, {not_decode}"
     return AttentionChoice("xla", f"not cudnn because {reason}; scores {T}x{S} are small")
 
 
