@@ -13,13 +13,17 @@ sweep stops before `--budget-s`.
 """
 
 import dataclasses
+import glob
+import itertools
 import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from decode_batch_probe import top_trace_ops
 from model_flops import decode_bytes_per_token, kv_element_bytes
 
 import eqx_tx
@@ -34,18 +38,26 @@ class Args:
     """`context:batch:dtype` triples (`dtype`: the KV cache's, `bf16` or `int8`)."""
     preset: str = "qwen3-0.6b"
     attention: str = "auto"
+    tokens_per_step: tuple[int, ...] = (512,)
+    """The decode kernel's tokens per grid step (`ComputeConfig.decode_tokens_per_step`),
+    each setting measured at each."""
     warm: int = 8
     steps: int = 64
     bandwidth_gbs: float = 819.0
     """The roofline's bandwidth (TPU v5e data sheet)."""
     budget_s: float = 540.0
     """Skip the settings left once this many seconds have passed."""
+    profile_dir: str | None = None
+    """Also trace one more timed call per setting with `jax.profiler` here, and report
+    its device ops that took the most time (ms per decode step)."""
 
 
-def measure(model, cfg, context: int, batch: int, dtype: str, args: Args, rng) -> dict:
-    compute = eqx_tx.ComputeConfig(attention=args.attention)  # type: ignore[arg-type]
+def measure(model, cfg, context: int, batch: int, dtype: str, tokens_per_step: int, args: Args, rng) -> dict:
+    compute = eqx_tx.ComputeConfig(attention=args.attention,  # type: ignore[arg-type]
+                                   decode_tokens_per_step=tokens_per_step)
     prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
-    params = [SamplingParams(max_new_tokens=args.warm + args.steps + 1, stop_token_ids=())] * batch
+    timed = args.steps * (1 if args.profile_dir is None else 2)  # the traced call decodes after the timed one
+    params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=())] * batch
     plan, seq_params, samples = generation._plan(prompts, params, 1, True, None)
     sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples)
     t = time.perf_counter()
@@ -58,13 +70,22 @@ def measure(model, cfg, context: int, batch: int, dtype: str, args: Args, rng) -
     jax.block_until_ready(state)
     step_ms = 1e3 * (time.perf_counter() - t) / args.steps
     assert int(state.step) == args.warm + args.steps
+    profile = {}
+    if args.profile_dir is not None:
+        trace_dir = os.path.join(args.profile_dir, f"trace_{context}_{batch}_{dtype}")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(generation.decode(model, state, sampler, jnp.asarray(args.steps, jnp.int32),
+                                                    compute=compute))
+        found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+        if found:
+            profile["top_device_ops_ms_per_step"] = [(k, round(v / args.steps, 4)) for k, v in top_trace_ops(found[0], 25)]
     mean_context = context + args.warm + args.steps / 2
     step_bytes = decode_bytes_per_token(cfg, 2, kv_length=batch * mean_context,
                                         kv_bytes=kv_element_bytes(cfg.head_dim, dtype))
     roofline_ms = 1e3 * step_bytes / (args.bandwidth_gbs * 1e9)
-    return {"context": context, "batch": batch, "kv": dtype, "step_ms": round(step_ms, 3),
+    return {"context": context, "batch": batch, "kv": dtype, "tokens_per_step": tokens_per_step, "step_ms": round(step_ms, 3),
             "roofline_ms": round(roofline_ms, 3), "of_roofline": f"{roofline_ms / step_ms:.0%}",
-            "tokens_per_s": round(batch / step_ms * 1e3), "first_call_s": round(first_s, 1)}
+            "tokens_per_s": round(batch / step_ms * 1e3), "first_call_s": round(first_s, 1), **profile}
 
 
 def main(args: Args) -> None:
@@ -73,7 +94,7 @@ def main(args: Args) -> None:
     cfg = preset(args.preset)
     model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
-    for setting in args.settings:
+    for setting, tokens_per_step in itertools.product(args.settings, args.tokens_per_step):
         context, batch, dtype = setting.split(":")
         if dtype not in ("bf16", "int8"):
             raise ValueError(f"setting {setting!r}: the KV dtype is bf16 or int8, not {dtype!r}")
@@ -81,11 +102,11 @@ def main(args: Args) -> None:
             print(json.dumps({"setting": setting, "skipped": f"over the {args.budget_s:.0f} s budget"}), flush=True)
             continue
         try:
-            row = measure(model, cfg, int(context), int(batch), dtype, args, rng)
+            row = measure(model, cfg, int(context), int(batch), dtype, tokens_per_step, args, rng)
         except Exception as e:  # RESOURCE_EXHAUSTED (does not fit), or a kernel that does not compile
-            row = {"setting": setting, "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            row = {"setting": setting, "tokens_per_step": tokens_per_step,
+                   "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         print(json.dumps(row), flush=True)
-
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

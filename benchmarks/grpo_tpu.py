@@ -47,6 +47,9 @@ class Args:
 
 
 def main(args: Args) -> None:
+    # This process only writes the checkpoint: on the host, so that the accelerator is
+    # free for tools/grpo.py (a TPU is held by one process at a time).
+    jax.config.update("jax_platforms", "cpu")
     os.makedirs(args.out, exist_ok=True)
     ckpt = os.path.join(args.out, "model")
     model = eqx_tx.init_model(preset(args.preset), key=jax.random.key(0), dtype=jnp.bfloat16)

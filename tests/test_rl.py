@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import eqx_tx
+from eqx_tx.core.util import length_bucket
 from eqx_tx.rl import exact_match, final_answer, group_advantages, rollout_batch
 
 
@@ -29,7 +30,8 @@ def test_rollout_batch_scores_the_answers_as_sampled(checkpoints):
     gens = eqx_tx.generate(model, prompts, eqx_tx.SamplingParams(max_new_tokens=5, temperature=1.0, seed=4), n=n)
     adv = np.arange(9, dtype=np.float32).reshape(3, 3)
     b = rollout_batch(prompts, gens, adv, multiple=8)
-    assert b.input_ids.shape[1] % 8 == 0
+    assert b.input_ids.shape[1] == length_bucket(max(len(prompts[i // n]) + len(g.tokens) for i, g in enumerate(gens))
+                                                 - 1, 8)
     for i, g in enumerate(gens):
         p = prompts[i // n]
         answer = np.flatnonzero(b.loss_weights[i])
@@ -45,6 +47,17 @@ def test_rollout_batch_scores_the_answers_as_sampled(checkpoints):
     np.testing.assert_allclose(logp[real], b.sampler_logprobs[real], atol=2e-5)
     with pytest.raises(ValueError, match="n answers"):
         rollout_batch(prompts, gens[:-1], adv)
+
+
+def test_length_buckets_are_few_and_waste_at_most_half():
+    """`length_bucket` against its definition, enumerated: the least `m * 2**k` or
+    `m * 3 * 2**k` at or above the length."""
+    for m in (8, 16):
+        candidates = sorted({m * f * 2**k for f in (1, 3) for k in range(12)})
+        for n in range(1, 3000):
+            assert length_bucket(n, m) == next(c for c in candidates if c >= n), (n, m)
+            assert n <= m or length_bucket(n, m) <= 1.5 * n + m
+        assert len({length_bucket(n, m) for n in range(1, 8193)}) <= 2 * (8192 // m).bit_length()
 
 
 def test_final_answer_and_exact_match():

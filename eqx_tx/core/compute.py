@@ -77,7 +77,15 @@ class ComputeConfig:
     at batch 1 (88% of the data-sheet bandwidth roofline) against 2.23 ms scanned,
     and 3.08 against 3.50 ms at batch 16. XLA:GPU reads the stack in place."""
 
+    decode_tokens_per_step: int = 512
+    """Tokens of one sequence's cache that the TPU decode kernel (`decode_tpu`) reads
+    per grid step: that many tokens' blocks (whole cache blocks or pages, at least
+    one), each its own DMA. A grid step has a fixed cost, which fewer, larger steps
+    share."""
+
     def __post_init__(self):
+        if self.decode_tokens_per_step < 1:
+            raise ValueError(f"decode_tokens_per_step must be >= 1, got {self.decode_tokens_per_step}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"unknown attention implementation {self.attention!r}; choose from {ATTENTION_IMPLEMENTATIONS}"

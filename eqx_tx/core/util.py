@@ -16,6 +16,18 @@ def round_up(a, b):
     return ceil_div(a, b) * b
 
 
+def length_bucket(n: int, multiple: int) -> int:
+    """The smallest of `multiple * 2**k` and `multiple * 3 * 2**k` (k >= 0) that is
+    `>= n`: a length padded to it is at most 1.5x the length (above `2 * multiple`),
+    and lengths up to `L` fall into about `2 * log2(L / multiple)` buckets (shapes to
+    compile)."""
+    if n <= multiple:
+        return multiple
+    units = ceil_div(n, multiple)
+    power = 1 << (units - 1).bit_length()  # the power of two >= units
+    return multiple * (3 * power // 4 if 3 * power // 4 >= units else power)
+
+
 def concrete_value(x) -> np.ndarray | None:
     """`x` as numpy if its value is known on this host (not a tracer, not sharded across hosts)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

@@ -95,13 +95,21 @@ def _scale_columns(k_scales, v_scales, expand, *, group: int):
     return summed[0], summed[1]
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *rest, block: int, kv_heads: int, group: int,
-            scale: float, quantized: bool):
-    # int8: the key and value scales after k, v; the expansion matrix after the scratch.
-    n = 2 if quantized else 0
-    scale_refs, (o_ref, m_ref, l_ref, acc_ref), expand_refs = rest[:n], rest[n:n + 4], rest[n + 4:]
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, block: int, kv_heads: int,
+            group: int, scale: float, quantized: bool):
+    # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
+    # scale and value scale tiles; then the output, the scratch and (int8) the expansion.
+    n = (4 if quantized else 2) * step_blocks
+    k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
+    ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
+    (o_ref, m_ref, l_ref, acc_ref), expand_refs = rest[n:n + 4], rest[n + 4:]
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
+    tokens = step_blocks * block  # per grid step
+
+    def read(refs, axis):  # the step's blocks in order, as one float32 array
+        blocks = [r[...].astype(jnp.float32) for r in refs]
+        return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=axis)
 
     @pl.when(j == 0)
     def _():
@@ -113,20 +121,22 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *rest, block
             col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
             expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
-    @pl.when(j * block < length)
+    @pl.when(j * tokens < length)
     def _():
         head_dim = q_ref.shape[-1]
         q = q_ref[...].astype(jnp.float32) * scale  # [heads, head_dim]
-        k = k_ref[...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
-        v = v_ref[...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
+        k = read(k_refs, 0).reshape(tokens * kv_heads, head_dim)
+        v = read(v_refs, 0).reshape(tokens * kv_heads, head_dim)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         k_cols = v_cols = None
         if quantized:
-            k_cols, v_cols = _scale_columns(scale_refs[0][...], scale_refs[1][...], expand_refs[0][...], group=group)
+            k_cols, v_cols = _scale_columns(read(ks_refs, 1), read(vs_refs, 1), expand_refs[0][...], group=group)
             s = s * k_cols
         row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        ok = (col % kv_heads == row // group) & (j * block + col // kv_heads < length)
+        # Positions from the step's place in the sequence: a block re-named past the
+        # sequence's last one (a repeated DMA-free read) is masked whole.
+        ok = (col % kv_heads == row // group) & (j * tokens + col // kv_heads < length)
         s = jnp.where(ok, s, _MASKED)
         m_prev = m_ref[...]  # [heads, lanes], every lane the same
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -162,6 +172,7 @@ def decode_attention_blocks(
     *,
     scales: tuple[Float[Array, "layers rows kv_heads row_tokens"], Float[Array, "layers rows kv_heads row_tokens"]]
     | None = None,
+    tokens_per_step: int = 512,
     interpret: bool | None = None,
 ) -> Float[Array, "batch heads head_dim"]:
     """Attention of one query per sequence over its blocks of layer `layer`.
@@ -180,50 +191,61 @@ def decode_attention_blocks(
       `scales[:, i // n, :, (i % n) * block:][..., :block]` with
       `n = row_tokens // block` (a page pool: one page per row; a dense cache: one
       sequence per row).
+    - `tokens_per_step`: each grid step reads this many tokens' blocks
+      (`tokens_per_step // block`, at least one: each block one DMA, the step's
+      fixed cost shared by them).
     - `interpret`: run in Pallas's interpreter (any backend; tests); `None`: off a
       TPU only (logged once).
 
     **Returns:** the attention output, like `q`.
     """
-    return _blocks(q, k, v, layer, table, lengths, scales, interpret=_interpret(interpret))
+    return _blocks(q, k, v, layer, table, lengths, scales, tokens_per_step=tokens_per_step,
+                   interpret=_interpret(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _blocks(q, k, v, layer, table, lengths, scales, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("tokens_per_step", "interpret"))
+def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, interpret: bool):
     B, N, H = q.shape
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
+    n = max(1, min(tokens_per_step // block, P))  # blocks per grid step
     table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
     lengths = jnp.clip(lengths, 1, P * block).astype(jnp.int32)
 
-    def block_id(b, j, lengths_ref, table_ref):
+    def block_id(b, j, i, lengths_ref, table_ref):  # block i of step j (past the last: the last again)
         last = ceil_div(lengths_ref[b], block) - 1
-        return table_ref[b * P + jnp.minimum(j, last)]
+        return table_ref[b * P + jnp.minimum(j * n + i, last)]
 
-    def kv_index(b, j, layer_ref, lengths_ref, table_ref):
-        return layer_ref[0], block_id(b, j, lengths_ref, table_ref), 0, 0, 0
+    def kv_spec(i):
+        def index(b, j, layer_ref, lengths_ref, table_ref):
+            return layer_ref[0], block_id(b, j, i, lengths_ref, table_ref), 0, 0, 0
 
-    kv_spec = pl.BlockSpec((None, None, block, K, H), kv_index)
+        return pl.BlockSpec((None, None, block, K, H), index)
+
     q_spec = pl.BlockSpec((None, N, H), lambda b, j, *_: (b, 0, 0))
     scratch = [pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, H), jnp.float32)]
-    in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
+    in_specs = [q_spec] + [kv_spec(i) for i in range(n)] * 2
+    operands = [q] + [k] * n + [v] * n
     if scales is not None:
         per_row = scales[0].shape[-1] // block
 
-        def scale_index(b, j, layer_ref, lengths_ref, table_ref):
-            i = block_id(b, j, lengths_ref, table_ref)
-            return layer_ref[0], i // per_row, 0, i % per_row
+        def scale_spec(i):
+            def index(b, j, layer_ref, lengths_ref, table_ref):
+                at = block_id(b, j, i, lengths_ref, table_ref)
+                return layer_ref[0], at // per_row, 0, at % per_row
 
-        in_specs += [pl.BlockSpec((None, None, K, block), scale_index)] * 2
-        operands += [*scales]
+            return pl.BlockSpec((None, None, K, block), index)
+
+        in_specs += [scale_spec(i) for i in range(n)] * 2
+        operands += [scales[0]] * n + [scales[1]] * n
         sub = min(block, _LANES)
         scratch.append(pltpu.VMEM((sub, sub * K), jnp.bfloat16))
     # The grid walks the longest sequence's blocks, not the table's width (a dynamic
     # bound: an engine's tables are as wide as its longest allowed sequence).
-    steps = ceil_div(jnp.max(lengths), block)
+    steps = ceil_div(jnp.max(lengths), n * block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, steps), in_specs=in_specs, out_specs=q_spec, scratch_shapes=scratch)
-    kernel = functools.partial(_kernel, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
+    kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
                                quantized=scales is not None)
     return pl.pallas_call(
         kernel,
@@ -254,17 +276,19 @@ def decode_attention_dense(
     scales: tuple[Float[Array, "layers batch kv_heads max_len"], Float[Array, "layers batch kv_heads max_len"]]
     | None = None,
     block: int = 512,
+    tokens_per_step: int = 512,
     interpret: bool | None = None,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`decode_attention_blocks` over layer `layer` of a dense stacked cache, read in
     place in blocks of `dense_block(max_len, block)` tokens.
 
-    `scales`, `interpret`: as for `decode_attention_blocks` (a dense cache's scales,
-    tokens-minor, are already one sequence per row).
+    `scales`, `tokens_per_step`, `interpret`: as for `decode_attention_blocks` (a
+    dense cache's scales, tokens-minor, are already one sequence per row).
     """
     L, B, S, K, H = k.shape
     blk = dense_block(S, block)
     blocks = k.reshape(L, B * (S // blk), blk, K, H), v.reshape(L, B * (S // blk), blk, K, H)
     table = jnp.arange(B)[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
-    out = decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, scales=scales, interpret=interpret)
+    out = decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, scales=scales,
+                                  tokens_per_step=tokens_per_step, interpret=interpret)
     return out[:, None]

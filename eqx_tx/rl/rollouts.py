@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core.util import round_up
+from ..core.util import length_bucket
 from ..infer.generation import Generation
 from ..train.batch import Batch
 
@@ -51,7 +51,9 @@ def rollout_batch(
     - `generations`: `P * n` results of `generate(..., n=n)`, prompt-major.
     - `advantages`: `[P, n]` (e.g. `group_advantages`), one per answer.
     - `pad_id`: the padding token.
-    - `multiple`: the row length is rounded up to this (fewer distinct shapes to compile).
+    - `multiple`: the row length is rounded up to `multiple` times a power of two,
+      or three times one (`length_bucket`): answers of every length give few
+      distinct shapes to compile, each at most 1.5x the longest row.
 
     **Returns:** a `Batch` of `P * n` rows `prompt + answer` with `loss_weights` 1 on
     the answer's tokens (the stop token included), `sampler_logprobs`, `advantages`
@@ -64,7 +66,7 @@ def rollout_batch(
                          f"do not make n answers for each of {P} prompts")
     n = adv.shape[1]
     rows = [(list(prompts[i // n]), g) for i, g in enumerate(generations)]
-    T = round_up(max(len(p) + len(g.tokens) for p, g in rows) - 1, multiple)
+    T = length_bucket(max(len(p) + len(g.tokens) for p, g in rows) - 1, multiple)
     B = len(rows)
     input_ids = np.full((B, T), pad_id, np.int32)
     target_ids = np.full((B, T), pad_id, np.int32)

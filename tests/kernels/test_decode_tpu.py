@@ -31,16 +31,17 @@ def _reference(q, k, v, lengths):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("block", [64, 256])
-def test_dense_cache_read_in_place_equals_the_reference(dtype, block):
+@pytest.mark.parametrize("block,tokens_per_step", [(64, 64), (64, 128), (256, 512)])
+def test_dense_cache_read_in_place_equals_the_reference(dtype, block, tokens_per_step):
     """Layer 1 of a 3-layer stacked cache; lengths inside a block, at a block's edge,
-    the whole cache and a single key."""
+    the whole cache and a single key; one block per grid step, and two."""
     L, B, S, K, H, N = 3, 4, 256, 8, 128, 16
     rng = np.random.default_rng(0)
     k, v = (jnp.asarray(rng.standard_normal((L, B, S, K, H)), dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, 1, N, H)), dtype)
     lengths = np.array([1, 100, S, block + 1])
-    out = decode_attention_dense(q, k, v, jnp.asarray(1), jnp.asarray(lengths), block=block, interpret=True)
+    out = decode_attention_dense(q, k, v, jnp.asarray(1), jnp.asarray(lengths), block=block,
+                                 tokens_per_step=tokens_per_step, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     want = _reference(np.asarray(q[:, 0], np.float32), np.asarray(k[1], np.float32), np.asarray(v[1], np.float32),
                       lengths)
@@ -48,9 +49,12 @@ def test_dense_cache_read_in_place_equals_the_reference(dtype, block):
     np.testing.assert_allclose(np.asarray(out[:, 0], np.float32), want, atol=tol)
 
 
-def test_blocks_through_a_table_equal_the_reference():
+@pytest.mark.parametrize("tokens_per_step", [16, 32, 512])
+def test_blocks_through_a_table_equal_the_reference(tokens_per_step):
     """A pool of shuffled pages: each sequence's keys are gathered through its table
-    (entries past its length point anywhere, even outside the pool)."""
+    (entries past its length point anywhere, even outside the pool); one page per grid
+    step, two (a step past a sequence's last page re-reads it, masked), and the whole
+    table."""
     L, pages, page, K, H, N = 2, 12, 16, 8, 128, 16
     rng = np.random.default_rng(1)
     k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) for _ in range(2))
@@ -59,7 +63,7 @@ def test_blocks_through_a_table_equal_the_reference():
     lengths = np.array([40, 33, 20])  # 3 of the 4 blocks of the widest table: the grid stops at the longest
     q = rng.standard_normal((3, N, H)).astype(np.float32)
     out = decode_attention_blocks(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(0), jnp.asarray(table),
-                                  jnp.asarray(lengths), interpret=True)
+                                  jnp.asarray(lengths), tokens_per_step=tokens_per_step, interpret=True)
     gathered = lambda x: np.stack([x[0, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
     np.testing.assert_allclose(np.asarray(out), _reference(q, gathered(k), gathered(v), lengths), atol=1e-5)
 
@@ -71,12 +75,13 @@ def _quantized(x):
     return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32))
 
 
+@pytest.mark.parametrize("tokens_per_step", [256, 512])
 @pytest.mark.parametrize("paged", [False, True])
-def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged):
+def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, tokens_per_step):
     """int8 keys/values with scales per (token, kv head): the kernel equals attention
     over the dequantized cache, read in place (dense, blocks of 256 and of 128 split
     into two lane tiles) and through a shuffled page table (pages of 128, 2 query
-    heads per kv head)."""
+    heads per kv head), one or more blocks per grid step."""
     rng = np.random.default_rng(2)
     K, H, N = 8, 128, 16
     if paged:
@@ -88,7 +93,8 @@ def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged):
         lengths = np.array([300, 129])
         q = rng.standard_normal((2, N, H)).astype(np.float32)
         out = decode_attention_blocks(jnp.asarray(q), kq, vq, jnp.asarray(1), jnp.asarray(table),
-                                      jnp.asarray(lengths), scales=(ks, vs), interpret=True)
+                                      jnp.asarray(lengths), scales=(ks, vs), tokens_per_step=tokens_per_step,
+                                      interpret=True)
         gathered = lambda x: np.stack([x[1, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
         want = _reference(q, gathered(kd), gathered(vd), lengths)
     else:
@@ -98,7 +104,7 @@ def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged):
         lengths = np.array([1, 200, S])
         q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
         out = decode_attention_dense(jnp.asarray(q), kq, vq, jnp.asarray(0), jnp.asarray(lengths), scales=(ks, vs),
-                                     block=256, interpret=True)[:, 0]
+                                     block=256, tokens_per_step=tokens_per_step, interpret=True)[:, 0]
         want = _reference(q[:, 0], kd[0], vd[0], lengths)
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
 
