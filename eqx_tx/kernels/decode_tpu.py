@@ -7,9 +7,11 @@ the pages gathered), then read by the attention: at batch 64 the copies of a
 Qwen3-0.6B decode step took half of it (`benchmarks/results/accelerator_tpu_v5e.md`).
 This Pallas (Mosaic) kernel reads the stack where it lies. The layer index, each
 sequence's length and its block table are scalar-prefetched; grid step `(b, j)`
-DMAs block `table[b, j]` of layer `layer` (`[block, kv_heads, head_dim]`) into VMEM
-and folds it into an online softmax. Steps past a sequence's length re-name its last
-block, so no bytes move for them (Pallas skips a DMA whose block index repeats).
+DMAs `n` blocks `table[b, j * n:(j + 1) * n]` of layer `layer` (each `[block,
+kv_heads, head_dim]`, its own DMA; `n` from `tokens_per_step`: a grid step has a
+fixed cost, which `n` blocks share) into VMEM and folds each into an online softmax.
+Blocks past a sequence's length re-name its last block, so no bytes move for them
+(Pallas skips a DMA whose block index repeats), and they are not computed.
 
 A dense cache is the same thing viewed as blocks: `[layers, batch * max_len / block,
 block, kv_heads, head_dim]` (a reshape, free) with block `j` of sequence `b` at
@@ -99,17 +101,13 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
             group: int, scale: float, quantized: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
     # scale and value scale tiles; then the output, the scratch and (int8) the expansion.
+    # Each block is folded into the online softmax on its own (no concatenation).
     n = (4 if quantized else 2) * step_blocks
     k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
     ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
     (o_ref, m_ref, l_ref, acc_ref), expand_refs = rest[n:n + 4], rest[n + 4:]
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
-    tokens = step_blocks * block  # per grid step
-
-    def read(refs, axis):  # the step's blocks in order, as one float32 array
-        blocks = [r[...].astype(jnp.float32) for r in refs]
-        return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=axis)
 
     @pl.when(j == 0)
     def _():
@@ -121,22 +119,21 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
             col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
             expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
-    @pl.when(j * tokens < length)
-    def _():
+    def fold(i):
+        """Fold the step's block `i` (tokens from `start`) into the online softmax."""
+        start = (j * step_blocks + i) * block
         head_dim = q_ref.shape[-1]
         q = q_ref[...].astype(jnp.float32) * scale  # [heads, head_dim]
-        k = read(k_refs, 0).reshape(tokens * kv_heads, head_dim)
-        v = read(v_refs, 0).reshape(tokens * kv_heads, head_dim)
+        k = k_refs[i][...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
+        v = v_refs[i][...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         k_cols = v_cols = None
         if quantized:
-            k_cols, v_cols = _scale_columns(read(ks_refs, 1), read(vs_refs, 1), expand_refs[0][...], group=group)
+            k_cols, v_cols = _scale_columns(ks_refs[i][...], vs_refs[i][...], expand_refs[0][...], group=group)
             s = s * k_cols
         row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        # Positions from the step's place in the sequence: a block re-named past the
-        # sequence's last one (a repeated DMA-free read) is masked whole.
-        ok = (col % kv_heads == row // group) & (j * tokens + col // kv_heads < length)
+        ok = (col % kv_heads == row // group) & (start + col // kv_heads < length)
         s = jnp.where(ok, s, _MASKED)
         m_prev = m_ref[...]  # [heads, lanes], every lane the same
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -148,6 +145,11 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
         pv = jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         m_ref[...] = m_new
+
+    # Block by block: a block past the sequence's last (re-named, so not read again)
+    # costs no compute either.
+    for i in range(step_blocks):
+        pl.when((j * step_blocks + i) * block < length)(functools.partial(fold, i))
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
