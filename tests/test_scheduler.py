@@ -137,3 +137,22 @@ def test_step_shapes_cover_every_planned_shape():
             sched.finish_step(plan.decode, np.full(len(plan.decode.rows), 7), np.zeros(len(plan.decode.rows)))
     assert seen_prefill <= set(prefill_shapes) and seen_decode <= set(decode_rows)
     assert len(seen_prefill) > 1 and len(seen_decode) > 1
+
+
+def test_scoring_batches_compute_few_alternative_counts():
+    """A scoring prefill computes 0 alternatives, the engine's `max_top_logprobs` (here
+    3) for requests asking up to that, or the next power of two; its requests ask for
+    1, 3 and 0 here, and each keeps as many as it asked for."""
+    sched = _scheduler(score_top_k=3, prefill_rows=4, num_pages=40)
+    assert [sched.scored_alternatives(k) for k in range(10)] == [0, 3, 3, 3, 4, 8, 8, 8, 8, 16]
+    assert sched.score_top_ks() == [0, 3] and _scheduler().score_top_ks() == [0]
+    prompts = [list(range(1, 12)), list(range(3, 9)), list(range(2, 7))]
+    for prompt, k in zip(prompts, (1, 3, 0)):
+        sched.add(prompt, SamplingParams(max_new_tokens=1), sample=0, adapter=None, stop=(), score=(4, k))
+    plan = sched.schedule()
+    assert plan.prefill is not None and plan.prefill.top_k == 3
+    C = plan.prefill.tokens.shape[1]
+    P = len(plan.prefill.rows)
+    scores = (np.zeros((P, C), np.float32), np.zeros((P, C, 3), np.int32), np.zeros((P, C, 3), np.float32))
+    sched.finish_prefill(plan.prefill, scores)
+    assert [next(iter(r.scores.values()))[1].shape for r in plan.prefill.requests] == [(1,), (3,), (0,)]

@@ -20,8 +20,8 @@ import pytest
 import eqx_tx
 from eqx_tx.core.log import compile_times
 from eqx_tx.infer.config import EngineConfig
-from eqx_tx.serve.tinker_config import TinkerConfig
 from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.serve.tinker_config import TinkerConfig
 from tests.lora_util import perturbed_adapters
 from tests.tools_util import ROOT, Loopback, load_tool
 
@@ -91,7 +91,7 @@ def test_completions_stream_and_not_equal_generate_under_concurrency(served):
 
 
 def test_chat_with_n_samples_and_stop_strings(served):
-    client, loop, tokenizer = served.client, served.loop, served.tokenizer
+    client, tokenizer = served.client, served.tokenizer
     messages = [{"role": "user", "content": "Tell me a story."}]
     answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=1.0, n=3,
                                             seed=5, logprobs=True)
@@ -214,21 +214,29 @@ def test_errors_of_any_kind_come_in_openai_format(served):
 
 def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny, tmp_path):
     """`serve.build` warms the engine up: the first requests of a fresh server, with
-    new sizes (n, prompt length), compile nothing. (With the Tinker API on, the engine's
-    model holds the sampler bank: the base is its slot 0.)"""
+    new sizes (n, prompt length), compile nothing, nor do the Tinker API's prompt
+    scores (with no alternatives, and with some: the engine's `max_top_logprobs`).
+    (With the Tinker API on, the engine's model holds the sampler bank: the base is
+    its slot 0.)"""
     serve = load_tool("serve")
-    engine = EngineConfig(max_seqs=4, max_tokens_in_cache=1024, page_size=16, prefill_chunk=32)
+    engine = EngineConfig(max_seqs=4, max_tokens_in_cache=1024, page_size=16, prefill_chunk=32, max_top_logprobs=3)
     tinker = TinkerConfig(max_lora_rank=4, max_adapters=1, sampler_adapters=1, state_dir=str(tmp_path))
     loop, app = serve.build(serve.Args(model=trained_tiny, engine=engine, tinker=tinker))
     try:
         with compile_times() as compiles:
-            for n, prompt in ((1, [5, 6, 7]), (3, list(range(1, 40)))):
+            for n, prompt, score in ((1, [5, 6, 7], None), (3, list(range(1, 40)), None), (1, list(range(3, 30)), (20, 0)),
+                                     (2, list(range(2, 12)), (9, 2))):
                 done = [threading.Event() for _ in range(n)]
+                scored = []
                 for j in range(n):
                     loop.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0.5, seed=1), j,
-                                lambda e, j=j: e.finish_reason is not None and done[j].set(),
-                                adapter=0).result(timeout=60)
+                                lambda e, j=j: (e.prompt_scores is not None and scored.append(e.prompt_scores),
+                                                e.finish_reason is not None and done[j].set()),
+                                adapter=0, score=score).result(timeout=60)
                 assert all(d.wait(60) for d in done)
+                if score is not None:  # the scores came, each with the alternatives asked for
+                    assert len(scored) == n and all(s.logprobs.shape == (score[0],) and s.top_ids.shape == score
+                                                    for s in scored)
     finally:
         app.state.tinker.stop()
         loop.stop()

@@ -113,7 +113,7 @@ def build(args: Args):
             print(f"\rwarming up: compiled {done}/{total} step shapes ({time.perf_counter() - started:.1f} s)",
                   end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-        engine.warmup(progress)
+        engine.warmup(progress, scoring=tinker)  # the Tinker API scores prompts through the engine
     loop = EngineLoop(engine)
     tokenizer = eqx_tx.load_tokenizer(directory)
     app = build_app(loop, tokenizer, name, adapters)

@@ -78,7 +78,8 @@ class Engine:
         first_id = self.scheduler.next_id if hasattr(self, "scheduler") else 0
         self.scheduler = Scheduler(max_seqs=config.max_seqs, num_pages=self.num_pages, page_size=config.page_size,
                                    pages_per_seq=self._pages_per_seq, prefill_chunk=config.prefill_chunk,
-                                   prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id)
+                                   prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id,
+                                   score_top_k=config.max_top_logprobs)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)
@@ -166,12 +167,15 @@ class Engine:
             self.step()
         return [self.result(i) for i in ids]
 
-    def warmup(self, progress: Callable[[int, int], object] | None = None) -> None:
+    def warmup(self, progress: Callable[[int, int], object] | None = None, *, scoring: bool = False) -> None:
         """Compile every shape `step` can run (each prefill chunk size and row count,
         each padded count of running slots: `Scheduler.step_shapes`) now, on inputs
         whose writes are dropped, so that no request waits for a compile.
+        `scoring`: also each prefill shape that scores prompt tokens (`add(...,
+        score_last_n=...)`), with no alternatives and with up to `max_top_logprobs`.
         `progress(done, total)` is called after each shape."""
-        self.runner.warmup(*self.scheduler.step_shapes(), bank=self._bank, progress=progress)
+        self.runner.warmup(*self.scheduler.step_shapes(), bank=self._bank, progress=progress,
+                           score_top_ks=self.scheduler.score_top_ks() if scoring else ())
 
     @property
     def pages_in_use(self) -> int:

@@ -2,7 +2,7 @@
 jitted steps that execute a `StepPlan` (`eqx_tx.infer.scheduler`)."""
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,24 +68,30 @@ class Runner:
         return to_host(token), to_host(logp), top
 
     def warmup(self, prefill_shapes: list[tuple[int, int]], decode_rows: list[int], bank: bool,
-               progress: Callable[[int, int], object] | None = None) -> None:
-        """Compile every `(chunk, rows)` prefill and every decode row count now, on inputs
-        whose writes are dropped (out-of-range slots, unallocated pages).
-        `progress(done, total)` is called after each shape."""
+               progress: Callable[[int, int], object] | None = None, score_top_ks: Sequence[int] = ()) -> None:
+        """Compile every `(chunk, rows)` prefill (and, for each of `score_top_ks`, that
+        prefill scoring its positions with that many alternatives) and every decode row
+        count now, on inputs whose writes are dropped (out-of-range slots, unallocated
+        pages). `progress(done, total)` is called after each shape."""
         unallocated = np.full((1, self.pages_per_seq), self.num_pages, np.int32)
         adapters = (lambda n: np.zeros((n,), np.int32)) if bank else (lambda n: None)
-        total = len(prefill_shapes) + len(decode_rows)
-        for i, (C, P) in enumerate(prefill_shapes):
+        prefills = [(C, P, None) for C, P in prefill_shapes] + [(C, P, k) for k in score_top_ks
+                                                                   for C, P in prefill_shapes]
+        total, done = len(prefills) + len(decode_rows), 0
+        for C, P, k in prefills:
             self.prefill(PrefillBatch(np.full((P,), self.max_seqs, np.int32), np.repeat(unallocated, P, axis=0),
                                       np.zeros((P, C), np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
-                                      adapters(P)))
+                                      adapters(P), targets=None if k is None else np.full((P, C), -1, np.int32),
+                                      top_k=k or 0))
+            done += 1
             if progress is not None:
-                progress(i + 1, total)
-        for i, R in enumerate(decode_rows):
+                progress(done, total)
+        for R in decode_rows:
             self.decode(DecodeBatch((), np.full((R,), self.max_seqs, np.int32), np.repeat(unallocated, R, axis=0),
                                     np.zeros((R,), np.int32), np.zeros((R,), np.int32), adapters(R)))
+            done += 1
             if progress is not None:
-                progress(len(prefill_shapes) + i + 1, total)
+                progress(done, total)
 
     def _sampler_arrays(self, key: tuple, params: list[SamplingParams], samples: list[int], rows: int) -> SamplerArrays:
         if self._sampler is None or self._sampler[0] != key:

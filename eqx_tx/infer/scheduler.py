@@ -138,8 +138,9 @@ class Scheduler:
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int, prefill_chunk: int,
-                 prefill_rows: int, bank: bool = False, first_id: int = 0):
+                 prefill_rows: int, bank: bool = False, first_id: int = 0, score_top_k: int = 0):
         self.max_seqs, self.num_pages, self.page_size = max_seqs, num_pages, page_size
+        self.score_top_k = score_top_k
         self.prefill_chunk, self.prefill_rows, self.bank = prefill_chunk, prefill_rows, bank
         self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
         self.pool = PagePool(num_pages, page_size)
@@ -198,6 +199,20 @@ class Scheduler:
                     hit_rate=self.cached_tokens / max(self.prompt_tokens, 1), preemptions=self.preemptions,
                     tokens_held=sum(len(r.written) for r in self.slots if r is not None),
                     waiting=len(self.waiting), running=sum(r is not None for r in self.slots))
+
+    def scored_alternatives(self, k: int) -> int:
+        """The alternatives a prefill batch scores when its requests ask for at most `k`
+        (each keeps its own first ones): none for 0, else `score_top_k` where it is
+        enough, else the power of two at or above `k`. Few values, so few shapes to
+        compile (`score_top_ks`)."""
+        if k == 0:
+            return 0
+        return self.score_top_k if k <= self.score_top_k else 1 << (k - 1).bit_length()
+
+    def score_top_ks(self) -> list[int]:
+        """The alternatives a scoring prefill batch computes for requests that ask for
+        at most `score_top_k` (for compiling ahead: `Engine.warmup(scoring=True)`)."""
+        return sorted({0, self.scored_alternatives(self.score_top_k)})
 
     def step_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Every `(chunk, rows)` a prefill batch and every row count a decode batch can
@@ -355,7 +370,7 @@ class Scheduler:
         for r in pending:
             if r.running:
                 self.pool.register(r.context, r.pages, namespace=r.namespace)  # later requests may share them
-        top_k = max((r.score[1] for r in scoring if r.score is not None), default=0)
+        top_k = self.scored_alternatives(max((r.score[1] for r in scoring if r.score is not None), default=0))
         return PrefillBatch(rows, table, tokens, start, length, self._adapter_ids(pending, P), tuple(pending), targets,
                             top_k)
 
