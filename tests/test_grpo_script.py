@@ -69,7 +69,7 @@ def test_grpo_lora_with_kl_to_the_base(warm_start, tmp_path):
     (adapters start as the identity) and grows, and exports the adapter and the merged model."""
     grpo = load_tool("grpo")
     out = tmp_path / "lora"
-    grpo.main(grpo.Args(model=warm_start, output_dir=str(out), lora_rank=4, lora_alpha=8.0,
+    grpo.main(grpo.Args(model=warm_start, output_dir=str(out), lora_rank=4, lora_alpha=8.0, prompts_per_step=4, n=4,
                         optimizer=OptimizerConfig(learning_rate=5e-4, warmup_steps=5, total_steps=4),
                         policy=dataclasses.replace(PolicyLoss(), kl_coef=0.05), eval_every=100, progress=False))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward" in json.loads(line)]
