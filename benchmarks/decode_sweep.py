@@ -78,14 +78,16 @@ def measure(model, cfg, context: int, batch: int, dtype: str, tokens_per_step: i
                                                     compute=compute))
         found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
         if found:
-            profile["top_device_ops_ms_per_step"] = [(k, round(v / args.steps, 4)) for k, v in top_trace_ops(found[0], 25)]
+            profile["top_device_ops_ms_per_step"] = [(name, round(ms / args.steps, 4))
+                                                     for name, ms in top_trace_ops(found[0], 25)]
     mean_context = context + args.warm + args.steps / 2
     step_bytes = decode_bytes_per_token(cfg, 2, kv_length=batch * mean_context,
                                         kv_bytes=kv_element_bytes(cfg.head_dim, dtype))
     roofline_ms = 1e3 * step_bytes / (args.bandwidth_gbs * 1e9)
-    return {"context": context, "batch": batch, "kv": dtype, "tokens_per_step": tokens_per_step, "step_ms": round(step_ms, 3),
-            "roofline_ms": round(roofline_ms, 3), "of_roofline": f"{roofline_ms / step_ms:.0%}",
-            "tokens_per_s": round(batch / step_ms * 1e3), "first_call_s": round(first_s, 1), **profile}
+    return {"context": context, "batch": batch, "kv": dtype, "tokens_per_step": tokens_per_step,
+            "step_ms": round(step_ms, 3), "roofline_ms": round(roofline_ms, 3),
+            "of_roofline": f"{roofline_ms / step_ms:.0%}", "tokens_per_s": round(batch / step_ms * 1e3),
+            "first_call_s": round(first_s, 1), **profile}
 
 
 def main(args: Args) -> None:
@@ -107,6 +109,7 @@ def main(args: Args) -> None:
             row = {"setting": setting, "tokens_per_step": tokens_per_step,
                    "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         print(json.dumps(row), flush=True)
+
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

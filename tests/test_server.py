@@ -5,6 +5,7 @@ LoRA adapter served beside the base model."""
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import shutil
 import threading
@@ -224,15 +225,20 @@ def test_a_fresh_server_compiled_every_shape_before_it_listens(trained_tiny, tmp
     loop, app = serve.build(serve.Args(model=trained_tiny, engine=engine, tinker=tinker))
     try:
         with compile_times() as compiles:
-            for n, prompt, score in ((1, [5, 6, 7], None), (3, list(range(1, 40)), None), (1, list(range(3, 30)), (20, 0)),
-                                     (2, list(range(2, 12)), (9, 2))):
+            for n, prompt, score in ((1, [5, 6, 7], None), (3, list(range(1, 40)), None),
+                                     (1, list(range(3, 30)), (20, 0)), (2, list(range(2, 12)), (9, 2))):
                 done = [threading.Event() for _ in range(n)]
                 scored = []
+
+                def listen(event, j):
+                    if event.prompt_scores is not None:
+                        scored.append(event.prompt_scores)
+                    if event.finish_reason is not None:
+                        done[j].set()
+
                 for j in range(n):
                     loop.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0.5, seed=1), j,
-                                lambda e, j=j: (e.prompt_scores is not None and scored.append(e.prompt_scores),
-                                                e.finish_reason is not None and done[j].set()),
-                                adapter=0, score=score).result(timeout=60)
+                                functools.partial(listen, j=j), adapter=0, score=score).result(timeout=60)
                 assert all(d.wait(60) for d in done)
                 if score is not None:  # the scores came, each with the alternatives asked for
                     assert len(scored) == n and all(s.logprobs.shape == (score[0],) and s.top_ids.shape == score

@@ -37,7 +37,7 @@ class ComputeConfig:
     splash where it can run and blockwise where not, else xla; logged once), `cudnn`
     (GPU), `splash` (JAX's Pallas TPU kernel: causal self-attention from position 0,
     as in training and prompt scoring), `decode_tpu` (eqx_tx's Pallas TPU kernel for
-    one query per sequence over a bf16/fp32 KV cache, read in place: decoding, with
+    one query per sequence over a bf16/fp32/int8 KV cache, read in place: decoding, with
     every other call as under `auto`; off a TPU it runs in Pallas's interpreter), `blockwise` (pure-JAX flash) or `xla`
     (materialised scores, the reference)."""
     block_q: int | None = None

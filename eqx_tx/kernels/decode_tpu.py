@@ -119,11 +119,12 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
             col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
             expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
+    head_dim = q_ref.shape[-1]
+    q = q_ref[...].astype(jnp.float32) * scale  # [heads, head_dim], once per step
+
     def fold(i):
         """Fold the step's block `i` (tokens from `start`) into the online softmax."""
         start = (j * step_blocks + i) * block
-        head_dim = q_ref.shape[-1]
-        q = q_ref[...].astype(jnp.float32) * scale  # [heads, head_dim]
         k = k_refs[i][...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
         v = v_refs[i][...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
