@@ -38,9 +38,10 @@ class Args:
     """`context:batch:dtype` triples (`dtype`: the KV cache's, `bf16` or `int8`)."""
     preset: str = "qwen3-0.6b"
     attention: str = "auto"
-    tokens_per_step: tuple[int, ...] = (512,)
-    """The decode kernel's tokens per grid step (`ComputeConfig.decode_tokens_per_step`),
-    each setting measured at each."""
+    tokens_per_step: tuple[int, ...] = (0,)
+    """The decode kernel's tokens per grid step (`ComputeConfig.decode_tokens_per_step`
+    and `decode_int8_tokens_per_step` both), each setting measured at each; 0: the
+    library's defaults."""
     warm: int = 8
     steps: int = 64
     bandwidth_gbs: float = 819.0
@@ -53,8 +54,11 @@ class Args:
 
 
 def measure(model, cfg, context: int, batch: int, dtype: str, tokens_per_step: int, args: Args, rng) -> dict:
-    compute = eqx_tx.ComputeConfig(attention=args.attention,  # type: ignore[arg-type]
-                                   decode_tokens_per_step=tokens_per_step)
+    compute = eqx_tx.ComputeConfig(attention=args.attention)  # type: ignore[arg-type]
+    if tokens_per_step:
+        compute = dataclasses.replace(compute, decode_tokens_per_step=tokens_per_step,
+                                      decode_int8_tokens_per_step=tokens_per_step)
+    tokens_per_step = compute.decode_step_tokens(dtype == "int8")
     prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
     timed = args.steps * (1 if args.profile_dir is None else 2)  # the traced call decodes after the timed one
     params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=())] * batch

@@ -120,7 +120,8 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
                 lengths = jnp.minimum(lengths, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
             o = decode_attention_dense(q, cache.k, cache.v, layer, lengths, scales=cache.scales,
-                                       tokens_per_step=compute.decode_tokens_per_step, interpret=interpret)
+                                       tokens_per_step=compute.decode_step_tokens(cache.scales is not None),
+                                       interpret=interpret)
             return o, cache
         if own_keys:
             keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)

@@ -125,7 +125,8 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
             interpret = None if compute.attention == "decode_tpu" else False
             o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
-                                        scales=cache.scales, tokens_per_step=compute.decode_tokens_per_step,
+                                        scales=cache.scales,
+                                        tokens_per_step=compute.decode_step_tokens(cache.scales is not None),
                                         interpret=interpret)
             return o[:, None], cache
         return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache

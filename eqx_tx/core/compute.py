@@ -78,14 +78,22 @@ class ComputeConfig:
     and 3.08 against 3.50 ms at batch 16. XLA:GPU reads the stack in place."""
 
     decode_tokens_per_step: int = 512
-    """Tokens of one sequence's cache that the TPU decode kernel (`decode_tpu`) reads
-    per grid step: that many tokens' blocks (whole cache blocks or pages, at least
-    one), each its own DMA. A grid step has a fixed cost, which fewer, larger steps
-    share."""
+    """Tokens of one sequence's bf16 or float32 cache that the TPU decode kernel
+    (`decode_tpu`) reads per grid step: that many tokens' blocks (whole cache blocks
+    or pages, at least one), each its own DMA. A grid step has a fixed cost, which
+    fewer, larger steps share: on a TPU v5e (Qwen3-0.6B shape, pages of 128) 512
+    against 128 took a 1k x 64 step's attention from 14.5 to 13.4 ms and a 4k x 32
+    one's from 25.7 to 22.1 (`benchmarks/results/accelerator_tpu_v5e.md`)."""
+
+    decode_int8_tokens_per_step: int = 128
+    """`decode_tokens_per_step` for an int8 cache. Its blocks are bound by their
+    compute (int8 to bf16, the scales), not their DMAs, and there 512 tokens per step
+    measured slower than 128 (1k x 64: 18.9 against 15.8 ms)."""
 
     def __post_init__(self):
-        if self.decode_tokens_per_step < 1:
-            raise ValueError(f"decode_tokens_per_step must be >= 1, got {self.decode_tokens_per_step}")
+        for name in ("decode_tokens_per_step", "decode_int8_tokens_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"unknown attention implementation {self.attention!r}; choose from {ATTENTION_IMPLEMENTATIONS}"
@@ -101,6 +109,11 @@ class ComputeConfig:
             raise ValueError(f"memory_budget_gib must be positive, got {self.memory_budget_gib}")
         if (self.block_q is not None and self.block_q < 1) or (self.block_kv is not None and self.block_kv < 1):
             raise ValueError(f"block sizes must be positive, got {self.block_q}, {self.block_kv}")
+
+    def decode_step_tokens(self, quantized: bool) -> int:
+        """The decode kernel's tokens per grid step for an int8 (`quantized`) or a
+        bf16/float32 cache."""
+        return self.decode_int8_tokens_per_step if quantized else self.decode_tokens_per_step
 
     def checkpoint_policy(self):
         """The `jax.checkpoint` policy for one scanned layer (`None`: recompute all)."""

@@ -10,26 +10,31 @@ sequence's length and its block table are scalar-prefetched; grid step `(b, j)`
 DMAs `n` blocks `table[b, j * n:(j + 1) * n]` of layer `layer` (each `[block,
 kv_heads, head_dim]`, its own DMA; `n` from `tokens_per_step`: a grid step has a
 fixed cost, which `n` blocks share) into VMEM and folds each into an online softmax.
-Blocks past a sequence's length re-name its last block, so no bytes move for them
-(Pallas skips a DMA whose block index repeats), and they are not computed.
+A sequence's partial step is its first; a slot with no block re-names a live one
+(`_first_slot`), so no bytes move for it (Pallas skips a DMA whose block index repeats
+from the step before), and it is not computed.
 
 A dense cache is the same thing viewed as blocks: `[layers, batch * max_len / block,
 block, kv_heads, head_dim]` (a reshape, free) with block `j` of sequence `b` at
 `b * max_len / block + j`.
 
-Inside a step the block is `[block * kv_heads, head_dim]` (kv heads fold into rows,
-free in float32 tiles) and every query head scores every row; rows of other kv heads
-are masked. That multiplies the step's FLOPs by `kv_heads`, which a decode step has
-to spare (a Qwen3-0.6B row reads 4 KiB per cached token for 64 kFLOP here: far
-below the MXU's rate per byte of HBM), in exchange for no relayout of the block.
+Each block is read as `[block * kv_heads, head_dim]` (the cache viewed with its kv
+heads folded into rows, a free reshape outside the kernel: the DMA lands it in the
+tiles the MXU takes, in the cache's dtype) and every query head scores every row;
+rows of other kv heads are masked. That multiplies the step's FLOPs by `kv_heads`,
+which a decode step has to spare (a Qwen3-0.6B row reads 4 KiB per cached token for
+64 kFLOP here: far below the MXU's rate per byte of HBM), in exchange for no relayout
+of the block. The matmuls take bf16 operands (an int8 block converted, exactly),
+accumulating in float32.
 
 An int8 cache comes with float32 scales per (token, kv head), stored tokens-minor
 (`[..., kv_heads, tokens]`: a `[kv_heads, block]` tile per block, tokens along the
 lanes). The score of column `(token t, kv head h)` is multiplied by
 `k_scale[h, t]` and each probability by `v_scale[h, t]` before `p @ v`; the scales
-reach those columns by two exact one-pass matmuls (a head selection, then a 0/1
-expansion of each token to its `kv_heads` columns), so no vector moves between
-lanes and sublanes.
+reach those columns as one row each, by an exact one-pass 0/1 matmul and a masked
+sum over sublanes (`_scale_rows`), so no vector moves between lanes and sublanes.
+On a TPU v5e an int8 block costs about what a bf16 one does (its conversion to bf16
+is the bound, not its DMA): int8 reads half the bytes but does not yet decode faster.
 """
 
 import functools
@@ -67,17 +72,17 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
     return None
 
 
-def _scale_columns(k_scales, v_scales, expand, *, group: int):
-    """`[kv_heads, block]` key and value scales as the score columns of `[heads,
-    block * kv_heads]`: row `n`, column `t * kv_heads + h` gets `scales[n // group, t]`.
+def _scale_rows(k_scales, v_scales, expand):
+    """`[kv_heads, block]` key and value scales as rows `[1, block * kv_heads]` over
+    the score columns: column `t * kv_heads + h` gets `scales[h, t]`.
 
-    Two 0/1 matmuls place them, one selecting each head's row, one repeating each
-    of `sub` tokens over its kv heads (`expand [sub, sub * kv_heads]`). Both run on
-    bf16 operands in one MXU pass and stay exact: each float32 scale goes in as the
-    sum of three bf16 parts (24 bits of mantissa).
+    One 0/1 matmul (`expand [sub, sub * kv_heads]`) repeats each token's scales over
+    its `kv_heads` columns, every head's in its own row; a masked sum over those rows
+    keeps each column's own head. The matmul runs on bf16 operands in one MXU pass
+    and stays exact: each float32 scale goes in as the sum of three bf16 parts
+    (24 bits of mantissa).
     """
     K, block = k_scales.shape
-    heads = K * group
     parts = []
     for x in (k_scales, v_scales):
         for _ in range(_PARTS):
@@ -85,16 +90,14 @@ def _scale_columns(k_scales, v_scales, expand, *, group: int):
             parts.append(part)
             x = x - part
     stacked = jnp.concatenate(parts, axis=0).astype(jnp.bfloat16)  # [2 * _PARTS * K, block]
-    n = 2 * _PARTS
-    row = jax.lax.broadcasted_iota(jnp.int32, (n * heads, n * K), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (n * heads, n * K), 1)
-    select = ((row // heads == col // K) & ((row % heads) // group == col % K)).astype(jnp.bfloat16)
-    rows = jnp.dot(select, stacked, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # [n heads, block]
     sub = expand.shape[0]
-    cols = [jnp.dot(rows[:, i:i + sub], expand, preferred_element_type=jnp.float32) for i in range(0, block, sub)]
-    cols = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)  # [n heads, block * K]
-    summed = [sum(cols[(i * _PARTS + j) * heads:(i * _PARTS + j + 1) * heads] for j in range(_PARTS)) for i in range(2)]
-    return summed[0], summed[1]
+    cols = [jnp.dot(stacked[:, i:i + sub], expand, preferred_element_type=jnp.float32) for i in range(0, block, sub)]
+    cols = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)  # [2 * _PARTS * K, block * K]
+    row = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 1)
+    kept = jnp.where(row % K == col % K, cols, 0.0)
+    half = _PARTS * K
+    return jnp.sum(kept[:half], axis=0, keepdims=True), jnp.sum(kept[half:], axis=0, keepdims=True)
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, block: int, kv_heads: int,
@@ -108,6 +111,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
     (o_ref, m_ref, l_ref, acc_ref), expand_refs = rest[n:n + 4], rest[n + 4:]
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
+    first = _first_slot(length, j, block=block, step_blocks=step_blocks)
 
     @pl.when(j == 0)
     def _():
@@ -119,19 +123,22 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
             col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
             expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
-    head_dim = q_ref.shape[-1]
-    q = q_ref[...].astype(jnp.float32) * scale  # [heads, head_dim], once per step
+    # Matmul operands in the cache's dtype (int8: bf16, exact), or q's where that is
+    # wider; float32 accumulation.
+    dtype = jnp.promote_types(q_ref.dtype, jnp.bfloat16 if quantized else k_refs[0].dtype)
+    q = q_ref[...].astype(dtype)  # [heads, head_dim]
 
     def fold(i):
         """Fold the step's block `i` (tokens from `start`) into the online softmax."""
-        start = (j * step_blocks + i) * block
-        k = k_refs[i][...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
-        v = v_refs[i][...].astype(jnp.float32).reshape(block * kv_heads, head_dim)
+        start = (first + i) * block
+        k = k_refs[i][...].astype(dtype)  # [block * kv_heads, head_dim]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        k_cols = v_cols = None
+        v_row = None
         if quantized:
-            k_cols, v_cols = _scale_columns(ks_refs[i][...], vs_refs[i][...], expand_refs[0][...], group=group)
-            s = s * k_cols
+            k_row, v_row = _scale_rows(ks_refs[i][...], vs_refs[i][...], expand_refs[0][...])
+            s = s * (k_row * scale)
+        else:
+            s = s * scale
         row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         ok = (col % kv_heads == row // group) & (start + col // kv_heads < length)
@@ -141,20 +148,35 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        if v_cols is not None:
-            p = p * v_cols
-        pv = jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if v_row is not None:
+            p = p * v_row
+        v = v_refs[i][...].astype(dtype)
+        pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         m_ref[...] = m_new
 
-    # Block by block: a block past the sequence's last (re-named, so not read again)
-    # costs no compute either.
+    # Block by block: a slot before the sequence's first block or past its last
+    # (re-named, so not read again) costs no compute either.
     for i in range(step_blocks):
-        pl.when((j * step_blocks + i) * block < length)(functools.partial(fold, i))
+        pl.when((first + i >= 0) & ((first + i) * block < length))(functools.partial(fold, i))
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
         o_ref[...] = (acc_ref[...] / l_ref[...][:, :1]).astype(o_ref.dtype)
+
+
+def _first_slot(length, j, *, block: int, step_blocks: int):
+    """The sequence's block in slot 0 of grid step `j`: `j * step_blocks` less the
+    step's dead slots, so that its first step, not its last, is the partial one.
+
+    Each step's DMAs are issued during the step before; a partial last step would
+    leave a sequence's last compute too short to cover the next sequence's first
+    (full) step. A dead slot (block `< 0`, or past the last) names a live block: at
+    the first step the one it reads at the second, past the last step the one it
+    read at the last, so the index repeats and Pallas moves no bytes for it.
+    """
+    blocks = ceil_div(length, block)
+    return j * step_blocks - (ceil_div(blocks, step_blocks) * step_blocks - blocks)
 
 
 def _interpret(interpret: bool | None) -> bool:
@@ -215,20 +237,26 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, int
     table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
     lengths = jnp.clip(lengths, 1, P * block).astype(jnp.int32)
 
-    def block_id(b, j, i, lengths_ref, table_ref):  # block i of step j (past the last: the last again)
-        last = ceil_div(lengths_ref[b], block) - 1
-        return table_ref[b * P + jnp.minimum(j * n + i, last)]
+    def block_id(b, j, i, lengths_ref, table_ref):
+        """The block operand `i` reads at step `j` (see `_first_slot`)."""
+        length = lengths_ref[b]
+        blocks = ceil_div(length, block)
+        steps = ceil_div(blocks, n)
+        slot = _first_slot(length, jnp.minimum(j, steps - 1), block=block, step_blocks=n) + i
+        slot = jnp.where(slot < 0, slot + n, slot)
+        return table_ref[b * P + jnp.clip(slot, 0, blocks - 1)]
 
     def kv_spec(i):
         def index(b, j, layer_ref, lengths_ref, table_ref):
-            return layer_ref[0], block_id(b, j, i, lengths_ref, table_ref), 0, 0, 0
+            return layer_ref[0], block_id(b, j, i, lengths_ref, table_ref), 0, 0
 
-        return pl.BlockSpec((None, None, block, K, H), index)
+        return pl.BlockSpec((None, None, block * K, H), index)
 
     q_spec = pl.BlockSpec((None, N, H), lambda b, j, *_: (b, 0, 0))
     scratch = [pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, H), jnp.float32)]
     in_specs = [q_spec] + [kv_spec(i) for i in range(n)] * 2
-    operands = [q] + [k] * n + [v] * n
+    flat = k.reshape(k.shape[0], num_blocks, block * K, H), v.reshape(v.shape[0], num_blocks, block * K, H)
+    operands = [q] + [flat[0]] * n + [flat[1]] * n
     if scales is not None:
         per_row = scales[0].shape[-1] // block
 
@@ -283,13 +311,13 @@ def decode_attention_dense(
     interpret: bool | None = None,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`decode_attention_blocks` over layer `layer` of a dense stacked cache, read in
-    place in blocks of `dense_block(max_len, block)` tokens.
+    place in blocks of `dense_block(max_len, min(block, tokens_per_step))` tokens.
 
     `scales`, `tokens_per_step`, `interpret`: as for `decode_attention_blocks` (a
     dense cache's scales, tokens-minor, are already one sequence per row).
     """
     L, B, S, K, H = k.shape
-    blk = dense_block(S, block)
+    blk = dense_block(S, min(block, tokens_per_step))
     blocks = k.reshape(L, B * (S // blk), blk, K, H), v.reshape(L, B * (S // blk), blk, K, H)
     table = jnp.arange(B)[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
     out = decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, scales=scales,

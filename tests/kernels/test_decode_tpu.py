@@ -157,7 +157,8 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch, cache_dtype):
 
     calls = []
     monkeypatch.setattr(dense, "decode_attention_dense",
-                        lambda *a, **kw: calls.append(a[1].shape) or decode_attention_dense(*a, **kw))
+                        lambda *a, **kw: calls.append((a[1].shape, kw["tokens_per_step"]))
+                        or decode_attention_dense(*a, **kw))
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     model = eqx_tx.load(path, progress=False)
@@ -167,10 +168,12 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch, cache_dtype):
 
     def run(attention):
         return eqx_tx.generate(model, prompts, params, n=2, share_prefix=False, cache_dtype=cache_dtype,
-                               compute=eqx_tx.ComputeConfig(attention=attention))
+                               compute=eqx_tx.ComputeConfig(attention=attention, decode_tokens_per_step=64,
+                                                            decode_int8_tokens_per_step=32))
 
     want, got = run("xla"), run("decode_tpu")
-    assert calls and all(shape[:2] == (2, 4) for shape in calls)  # [layers, batch, ...]: the whole stack
+    assert calls and all(shape[:2] == (2, 4) for shape, _ in calls)  # [layers, batch, ...]: the whole stack
+    assert {tokens for _, tokens in calls} == {64 if cache_dtype is None else 32}  # the cache's dtype's setting
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
@@ -187,7 +190,7 @@ def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monke
 
     calls = []
     monkeypatch.setattr(paged, "decode_attention_blocks",
-                        lambda *a, **kw: calls.append(a[1].shape) or decode_attention_blocks(*a, **kw))
+                        lambda *a, **kw: calls.append(kw["tokens_per_step"]) or decode_attention_blocks(*a, **kw))
     model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
     requests = _workload(model.config.vocab_size, seed=0)[:4]
     dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
@@ -195,4 +198,12 @@ def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monke
                            cache_dtype=dtype, compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
     results = engine.run(requests)
     assert calls and engine.stats()["preemptions"] > 0
+    assert set(calls) == {engine.compute.decode_step_tokens(dtype is not None)}
     _assert_equal_to_generate(model, requests, results, cache_dtype=dtype)
+
+
+@pytest.mark.parametrize("name", ["decode_tokens_per_step", "decode_int8_tokens_per_step"])
+def test_tokens_per_step_below_one_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+        eqx_tx.ComputeConfig(**{name: 0})
+    assert eqx_tx.ComputeConfig().decode_step_tokens(True) == eqx_tx.ComputeConfig().decode_int8_tokens_per_step

@@ -1,0 +1,103 @@
+"""On a TPU: the decode kernel alone, a decode step's 28 layers of it, against the bytes it reads.
+
+For each `batch:live:dtype` setting (`dtype` `bf16` or `int8`) a Qwen3-0.6B-shaped page
+pool (28 layers, pages of 128 tokens, 8 kv heads of 128, 16 query heads) holds random
+keys and values (int8: random values and float32 scales per token and kv head), each
+sequence `live` tokens on shuffled pages. One jitted program runs
+`decode_attention_blocks` over the 28 layers; the median of `--repeats` calls is
+reported beside the live keys and values it reads (int8: and their scales) at the data
+sheet's bandwidth. No weights, no cache writes: what the kernel costs a decode step.
+
+    python benchmarks/decode_kernel_time.py --settings 64:1100:bf16 64:1100:int8 --tokens-per-step 128 512
+"""
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+from eqx_tx.kernels.decode_tpu import decode_attention_blocks
+
+LAYERS, KV_HEADS, HEAD_DIM, HEADS, PAGE = 28, 8, 128, 16, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    settings: tuple[str, ...] = ("64:1100:bf16", "64:1100:int8", "32:4200:bf16", "32:4200:int8")
+    """`batch:live:dtype` triples (`dtype`: the cache's, `bf16` or `int8`)."""
+    tokens_per_step: tuple[int, ...] = (128, 512)
+    """The kernel's tokens per grid step, each setting measured at each."""
+    repeats: int = 10
+    bandwidth_gbs: float = 819.0
+    """The roofline's bandwidth (TPU v5e data sheet)."""
+
+
+def pool(batch: int, live: int, dtype: str, rng):
+    """A page pool holding `batch` sequences of `live` tokens on shuffled pages, their
+    tables, lengths and queries (int8 values drawn on the host: drawing them on the
+    device takes int32 temporaries four times their size)."""
+    per_seq = -(-live // PAGE)
+    shape = (LAYERS, batch * per_seq + 1, PAGE, KV_HEADS, HEAD_DIM)
+    scales = None
+    if dtype == "int8":
+        k, v = (jax.device_put(rng.integers(-127, 128, shape, dtype=np.int8)) for _ in range(2))
+        scale_shape = (LAYERS, shape[1], KV_HEADS, PAGE)
+        scales = tuple(jax.device_put(rng.uniform(1e-3, 3e-2, scale_shape).astype(np.float32)) for _ in range(2))
+    else:
+        keys = jax.random.split(jax.random.key(batch), 2)
+        k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    table = jnp.asarray(rng.permutation(batch * per_seq).reshape(batch, per_seq), jnp.int32)
+    lengths = jnp.full((batch,), live, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, HEADS, HEAD_DIM)), jnp.bfloat16)
+    return q, k, v, table, lengths, scales
+
+
+def step_ms(q, k, v, table, lengths, scales, *, tokens_per_step: int, repeats: int) -> float:
+    """Median ms of one program running the kernel over every layer."""
+
+    @jax.jit
+    def layers(q, k, v, table, lengths, scales):
+        def body(layer, acc):
+            out = decode_attention_blocks(q, k, v, layer, table, lengths, scales=scales,
+                                          tokens_per_step=tokens_per_step, interpret=False)
+            return acc + out.astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, LAYERS, body, jnp.zeros(q.shape, jnp.float32))
+
+    compiled = layers.lower(q, k, v, table, lengths, scales).compile()
+    jax.block_until_ready(compiled(q, k, v, table, lengths, scales))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(q, k, v, table, lengths, scales))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def main(args: Args) -> None:
+    if jax.default_backend() != "tpu":
+        raise SystemExit(f"decode_kernel_time compiles the kernel with Mosaic: it needs a TPU "
+                         f"(backend is {jax.default_backend()})")
+    rng = np.random.default_rng(0)
+    for setting in args.settings:
+        batch, live, dtype = setting.split(":")
+        if dtype not in ("bf16", "int8"):
+            raise ValueError(f"setting {setting!r}: the cache dtype is bf16 or int8, not {dtype!r}")
+        batch, live = int(batch), int(live)
+        data = pool(batch, live, dtype, rng)
+        element = 1 if dtype == "int8" else 2
+        read = 2 * LAYERS * batch * live * KV_HEADS * (HEAD_DIM * element + (4 if dtype == "int8" else 0))
+        for tokens_per_step in args.tokens_per_step:
+            ms = step_ms(*data, tokens_per_step=tokens_per_step, repeats=args.repeats)
+            print(json.dumps({"batch": batch, "live": live, "kv": dtype, "tokens_per_step": tokens_per_step,
+                              "ms": round(ms, 3), "GB_per_s": round(read / ms / 1e6, 1),
+                              "of_bandwidth": f"{read / ms / 1e6 / args.bandwidth_gbs:.0%}"}), flush=True)
+        del data
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
