@@ -104,10 +104,19 @@ def test_cached_prefix_pages_are_shared_and_exact(checkpoints):
     ids = [engine.add(p, sp) for p, sp in zip(prompts, params)]
     sampled = SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, seed=11)
     ids += [engine.add(prompts[2], sampled, sample=j) for j in range(3)]
+    counts = []
     while engine.has_work():
         engine.step()
+        stats = engine.stats()
+        counts.append((stats["running"], stats["tokens_held"], stats["tokens_read"]))
     results = [engine.result(i) for i in ids]
     _assert_equal_to_generate(model, list(zip(prompts, params)), results[:4])
+    # Shared pages are held once and read once per request: while several requests share
+    # the system prompt's 3 full pages, the pool holds at least 24 tokens fewer than
+    # decoding reads; one request alone holds what it reads.
+    assert all(held <= read for _, held, read in counts)
+    assert max(read - held for _, held, read in counts) >= 24, counts
+    assert all(held == read for running, held, read in counts if running == 1), counts
     for got, want in zip(results[4:], eqx_tx.generate(model, [prompts[2]], sampled, n=3)):
         assert got.tokens == want.tokens
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)

@@ -183,9 +183,9 @@ class Engine:
         return self.scheduler.pool.referenced
 
     def stats(self) -> dict:
-        """Pages referenced and cached, the prefix cache's hit rate (the share of
-        admitted prompt tokens whose keys/values came from the cache), preemptions, and
-        the tokens the running requests hold in their pages (shared ones once each)."""
+        """`Scheduler.stats`: pages referenced and cached, the prefix cache's hit rate,
+        preemptions, the tokens held (a shared page's once) and read by a decode step
+        (once per request), requests waiting and running."""
         return self.scheduler.stats()
 
     def step(self) -> list[TokenEvent]:

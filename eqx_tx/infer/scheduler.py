@@ -192,12 +192,22 @@ class Scheduler:
     def stats(self) -> dict:
         """Pages referenced and cached, the prefix cache's hit rate (the share of
         admitted prompt tokens whose keys/values came from the cache), preemptions, the
-        tokens the running requests hold in their pages (shared ones once each), and
-        the requests waiting for a slot and holding one."""
+        tokens whose keys/values the requests in slots hold (`tokens_held`: a shared
+        page's once) and read (`tokens_read`: a shared page's once per request, as a
+        decode step reads them), and the requests waiting for a slot and holding one."""
+        held: dict[int, int] = {}  # page -> its tokens in use
+        read = 0
+        for r in self.slots:
+            if r is None:
+                continue
+            n = len(r.written)
+            read += n
+            for i, page in enumerate(r.pages[:ceil_div(n, self.page_size)]):
+                held[page] = max(held.get(page, 0), min(self.page_size, n - i * self.page_size))
         return dict(pages=self.num_pages, pages_in_use=self.pool.referenced, pages_cached=self.pool.cached,
                     prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
                     hit_rate=self.cached_tokens / max(self.prompt_tokens, 1), preemptions=self.preemptions,
-                    tokens_held=sum(len(r.written) for r in self.slots if r is not None),
+                    tokens_held=sum(held.values()), tokens_read=read,
                     waiting=len(self.waiting), running=sum(r is not None for r in self.slots))
 
     def scored_alternatives(self, k: int) -> int:

@@ -1,0 +1,125 @@
+"""Issue 40's RL-shaped sampling workload through the engine, against its own roofline.
+
+`--prompts` random prompts of `--prompt` tokens (Qwen3-0.6B shape, random bf16
+weights), each sampled `--n` times at temperature 1 (the samples share the prompt's
+pages through the prefix cache). Each sample runs to a length drawn from a
+log-normal (median `--median-new`, `--sigma`) clipped to [16, `--max-new`]: no stop
+token, so every run does the same work with a long tail, as RL answers have. The
+engine has `--max-seqs` slots and a pool of `--pool-gib` GiB; `Engine.warmup` compiles
+first, and the run after it is timed step by step.
+
+The roofline is the run's own schedule at the data sheet's rates: every step that
+decodes reads every weight once and the keys/values its rows hold (a shared prompt
+page once: `tokens_held`) at `--bandwidth-gbs`; every prompt token computed (not found
+in the prefix cache) costs its forward FLOPs at `--peak-tflops`. `of_roofline_read`
+counts a shared page once per row (`tokens_read`: what the decode kernel reads today).
+
+    python benchmarks/rl_workload.py --kv-dtypes bf16 int8
+"""
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from model_flops import decode_bytes_per_token, kv_element_bytes, prefill_flops
+
+import eqx_tx
+from eqx_tx.infer.sampling import SamplingParams
+from eqx_tx.models.presets import preset
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    preset: str = "qwen3-0.6b"
+    prompts: int = 64
+    n: int = 8
+    prompt: int = 1024
+    median_new: int = 1024
+    sigma: float = 1.0
+    """The log-normal's sigma: 1.0 puts ~1% of samples at 10x the median."""
+    max_new: int = 8192
+    max_seqs: int = 256
+    page_size: int = 128
+    pool_gib: float = 10.0
+    """The page pool's size (keys, values and int8 scales of every layer)."""
+    kv_dtypes: tuple[str, ...] = ("bf16",)
+    """The pool's dtypes: `bf16` or `int8`."""
+    bandwidth_gbs: float = 819.0
+    """TPU v5e data sheet."""
+    peak_tflops: float = 197.0
+    """TPU v5e data sheet, bf16."""
+    seed: int = 0
+
+
+def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
+    """`(prompt, params, sample)` of every sequence, prompt-major."""
+    rng = np.random.default_rng(args.seed)
+    lengths = np.clip(np.round(args.median_new * np.exp(args.sigma * rng.standard_normal(args.prompts * args.n))),
+                      16, args.max_new).astype(int)
+    out = []
+    for i in range(args.prompts):
+        prompt = rng.integers(0, cfg.vocab_size, args.prompt).tolist()
+        for j in range(args.n):
+            params = SamplingParams(max_new_tokens=int(lengths[i * args.n + j]), temperature=1.0, seed=i,
+                                    stop_token_ids=())
+            out.append((prompt, params, j))
+    return out
+
+
+def run(model, cfg, kv: str, args: Args) -> dict:
+    element = kv_element_bytes(cfg.head_dim, kv)
+    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
+    pool_tokens = int(args.pool_gib * 2**30 / token_bytes) // args.page_size * args.page_size
+    engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size,
+                           max_seq_len=args.prompt + args.max_new, max_tokens_in_cache=pool_tokens,
+                           cache_dtype=jnp.int8 if kv == "int8" else None)
+    t = time.perf_counter()
+    engine.warmup()
+    compile_s = time.perf_counter() - t
+    sequences = workload(cfg, args)
+    for prompt, params, sample in sequences:
+        engine.add(prompt, params, sample=sample)
+    generated, steps, rows, held_s, read_s = 0, 0, 0, 0.0, 0.0
+    start = time.perf_counter()
+    while engine.has_work():
+        stats = engine.stats()
+        events = engine.step()
+        if events:
+            steps += 1
+            rows += len(events)
+            held_s += decode_bytes_per_token(cfg, 2, kv_length=stats["tokens_held"], kv_bytes=element)
+            read_s += decode_bytes_per_token(cfg, 2, kv_length=stats["tokens_read"], kv_bytes=element)
+        generated += len(events)
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    computed = stats["prompt_tokens"] - stats["cached_tokens"]
+    prefill_s = prefill_flops(cfg, computed / args.prompt, args.prompt) / (args.peak_tflops * 1e12)
+    bandwidth = args.bandwidth_gbs * 1e9
+    roofline_s, roofline_read_s = held_s / bandwidth + prefill_s, read_s / bandwidth + prefill_s
+    assert generated == sum(p.max_new_tokens for _, p, _ in sequences), generated
+    del engine
+    return {"kv": kv, "sequences": len(sequences), "generated": generated, "seconds": round(seconds, 1),
+            "tokens_per_s": round(generated / seconds), "roofline_tokens_per_s": round(generated / roofline_s),
+            "of_roofline": f"{roofline_s / seconds:.0%}", "of_roofline_read": f"{roofline_read_s / seconds:.0%}",
+            "decode_steps": steps, "mean_rows": round(rows / max(steps, 1), 1),
+            "prompt_tokens_computed": computed, "preemptions": stats["preemptions"],
+            "pool_tokens": pool_tokens, "warmup_s": round(compile_s, 1)}
+
+
+def main(args: Args) -> None:
+    eqx_tx.enable_console_logging()
+    cfg = preset(args.preset)
+    model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
+    print(json.dumps({"workload": dataclasses.asdict(args)}), flush=True)
+    for kv in args.kv_dtypes:
+        if kv not in ("bf16", "int8"):
+            raise ValueError(f"--kv-dtypes: bf16 or int8, not {kv!r}")
+        print(json.dumps(run(model, cfg, kv, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
