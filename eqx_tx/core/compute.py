@@ -87,8 +87,11 @@ class ComputeConfig:
 
     decode_int8_tokens_per_step: int = 128
     """`decode_tokens_per_step` for an int8 cache. Its blocks are bound by their
-    compute (int8 to bf16, the scales), not their DMAs, and there 512 tokens per step
-    measured slower than 128 (1k x 64: 18.9 against 15.8 ms)."""
+    compute (int8 to bf16, the scales), not their DMAs: folded block by block, 512
+    tokens per step measured slower than 128 (1k x 64: 18.9 against 15.8 ms). Above
+    one block per step the kernel now folds a step's int8 blocks as one (a form of
+    that measured 23.9 ms at 4k x 32 where block by block took 29-31); that has yet
+    to be measured against 128."""
 
     def __post_init__(self):
         for name in ("decode_tokens_per_step", "decode_int8_tokens_per_step"):

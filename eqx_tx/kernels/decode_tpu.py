@@ -101,10 +101,11 @@ def _scale_rows(k_scales, v_scales, expand):
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, block: int, kv_heads: int,
-            group: int, scale: float, quantized: bool):
+            group: int, scale: float, quantized: bool, concatenate: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
     # scale and value scale tiles; then the output, the scratch and (int8) the expansion.
-    # Each block is folded into the online softmax on its own (no concatenation).
+    # Each block is folded into the online softmax on its own, or (`concatenate`) the
+    # step's blocks as one.
     n = (4 if quantized else 2) * step_blocks
     k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
     ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
@@ -128,20 +129,24 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
     dtype = jnp.promote_types(q_ref.dtype, jnp.bfloat16 if quantized else k_refs[0].dtype)
     q = q_ref[...].astype(dtype)  # [heads, head_dim]
 
-    def fold(i):
-        """Fold the step's block `i` (tokens from `start`) into the online softmax."""
-        start = (first + i) * block
-        k = k_refs[i][...].astype(dtype)  # [block * kv_heads, head_dim]
+    def cat(refs, blocks, axis=0):
+        return jnp.concatenate([refs[i][...] for i in blocks], axis=axis) if len(blocks) > 1 else refs[blocks[0]][...]
+
+    def fold(blocks):
+        """Fold the step's `blocks` (consecutive, tokens from `start`) into the online softmax."""
+        start = (first + blocks[0]) * block
+        k = cat(k_refs, blocks).astype(dtype)  # [tokens * kv_heads, head_dim]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         v_row = None
         if quantized:
-            k_row, v_row = _scale_rows(ks_refs[i][...], vs_refs[i][...], expand_refs[0][...])
+            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand_refs[0][...])
             s = s * (k_row * scale)
         else:
             s = s * scale
         row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        ok = (col % kv_heads == row // group) & (start + col // kv_heads < length)
+        position = start + col // kv_heads  # < 0: a concatenated step's dead slot
+        ok = (col % kv_heads == row // group) & (position >= 0) & (position < length)
         s = jnp.where(ok, s, _MASKED)
         m_prev = m_ref[...]  # [heads, lanes], every lane the same
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -150,15 +155,16 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         if v_row is not None:
             p = p * v_row
-        v = v_refs[i][...].astype(dtype)
+        v = cat(v_refs, blocks).astype(dtype)
         pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         m_ref[...] = m_new
 
-    # Block by block: a slot before the sequence's first block or past its last
-    # (re-named, so not read again) costs no compute either.
-    for i in range(step_blocks):
-        pl.when((first + i >= 0) & ((first + i) * block < length))(functools.partial(fold, i))
+    if concatenate:  # one fold, its dead slots (re-named live blocks) masked
+        pl.when(first * block < length)(functools.partial(fold, tuple(range(step_blocks))))
+    else:  # block by block: a slot before the sequence's first block or past its last costs no compute
+        for i in range(step_blocks):
+            pl.when((first + i >= 0) & ((first + i) * block < length))(functools.partial(fold, (i,)))
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
@@ -276,8 +282,11 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, int
     steps = ceil_div(jnp.max(lengths), n * block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(B, steps), in_specs=in_specs, out_specs=q_spec, scratch_shapes=scratch)
+    # int8 blocks are bound by their compute, not their DMAs: one fold per step shares
+    # its fixed costs (at stop 46, a concatenating form read 4k x 32 int8 at 23.9 ms a
+    # step where folding block by block took 29-31).
     kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
-                               quantized=scales is not None)
+                               quantized=scales is not None, concatenate=scales is not None and n > 1)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -311,13 +320,13 @@ def decode_attention_dense(
     interpret: bool | None = None,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`decode_attention_blocks` over layer `layer` of a dense stacked cache, read in
-    place in blocks of `dense_block(max_len, min(block, tokens_per_step))` tokens.
+    place in blocks of `dense_block(max_len, min(block, max(tokens_per_step, 128)))` tokens.
 
     `scales`, `tokens_per_step`, `interpret`: as for `decode_attention_blocks` (a
     dense cache's scales, tokens-minor, are already one sequence per row).
     """
     L, B, S, K, H = k.shape
-    blk = dense_block(S, min(block, tokens_per_step))
+    blk = dense_block(S, min(block, max(tokens_per_step, _LANES)))
     blocks = k.reshape(L, B * (S // blk), blk, K, H), v.reshape(L, B * (S // blk), blk, K, H)
     table = jnp.arange(B)[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
     out = decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, scales=scales,
