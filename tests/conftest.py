@@ -1,10 +1,9 @@
 """Test setup: 8 fake CPU devices, float32 matmuls, tiny HF checkpoints built locally."""
 
-import fcntl
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from tests.tools_util import TEST_XLA_FLAGS  # noqa: E402 (numpy only: before jax starts)
+from tests.tools_util import TEST_XLA_FLAGS, shared_run  # noqa: E402 (numpy only: before jax starts)
 
 # Eight fake CPU devices for the meshes, and fast compiles (`TEST_XLA_FLAGS`).
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
@@ -34,20 +33,13 @@ def checkpoint(request, checkpoints):
 
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory, worker_id):
-    """The `tiny` preset trained by `tools/train.py` (shortened run): its final HF
-    directory, read-only. Trained once per test session: xdist workers share it (the
-    first to need it trains it under a lock, the others wait for it or find it)."""
+    """The `tiny` preset trained by `tools/train.py` (shortened run), once per session
+    (`shared_run`)."""
     from tests.tools_util import load_tool, tool_args
 
-    root = tmp_path_factory.getbasetemp()
-    root = root if worker_id == "master" else root.parent  # the session's directory, shared by its workers
-    out = root / "trained-tiny"
-    with open(root / "trained-tiny.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "final" / "model.safetensors").is_file():  # a worker that failed half-way left no final model
-            train = load_tool("train")
-            train.main(tool_args(train, output_dir=str(out), steps=40, progress=False, overwrite=True))
-    return str(out / "final")
+    train = load_tool("train")
+    return shared_run(tmp_path_factory, worker_id, "trained-tiny", lambda out: train.main(
+        tool_args(train, output_dir=str(out), steps=40, progress=False, overwrite=True)))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,16 +14,17 @@ import eqx_tx
 from eqx_tx.rl import arithmetic_facts, exact_match
 from eqx_tx.train.policy import PolicyLoss
 from eqx_tx.train.training import OptimizerConfig
-from tests.tools_util import load_tool, tool_args
+from tests.tools_util import load_tool, shared_run, tool_args
 
 
-@pytest.fixture(scope="module")
-def warm_start(tmp_path_factory):
-    """The tiny preset taught the task's format by tools/train.py (50 steps)."""
+@pytest.fixture(scope="session")
+def warm_start(tmp_path_factory, worker_id):
+    """The tiny preset taught the task's format by tools/train.py (50 steps), once per
+    session (the xdist workers share it)."""
     train = load_tool("train")
-    out = tmp_path_factory.mktemp("arith") / "sft"
-    train.main(tool_args(train, steps=50, output_dir=str(out), data="arithmetic", seq_len=32, progress=False))
-    return str(out / "final")
+    return shared_run(tmp_path_factory, worker_id, "arithmetic-sft", lambda out: train.main(
+        tool_args(train, steps=50, output_dir=str(out), data="arithmetic", seq_len=32, progress=False,
+                  overwrite=True)))
 
 
 def test_grpo_raises_the_reward_across_a_resume(warm_start, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Helpers for the tests of `tools/`: import a script as a module, build its arguments, write a dataset."""
 
 import dataclasses
+import fcntl
 import importlib.util
 import json
 import os
@@ -15,6 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # backend at -O0 compiles them about a third faster (the same HLO). The benchmarks keep
 # the default level. Subprocesses of the tests take it too.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def shared_run(tmp_path_factory, worker_id, name: str, build) -> str:
+    """`build(directory)` run once per test session, its `final` HF directory returned
+    (read-only): xdist workers share it (the first to need it builds it under a lock,
+    the others wait for it or find it)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent  # the session's directory, shared by its workers
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "final" / "model.safetensors").is_file():  # a worker that failed half-way left no final model
+            build(out)
+    return str(out / "final")
 
 
 def load_tool(name: str):
