@@ -297,3 +297,21 @@ def test_a_streamed_generate_compiles_its_decode_loop_once(checkpoints):
                        on_tokens=segments.append)
     assert len(segments) >= 4 and all(len(r.tokens) == 9 for r in results)
     assert generation.decode._cache_size() - before == 1
+
+
+def test_prompts_in_one_length_bucket_share_their_programs(checkpoints):
+    """Prompts and caches are padded to length buckets (four per octave): calls whose
+    longest prompts are 161, 170 and 185 tokens (all padded to 192, and with 4 new
+    tokens their caches to 192 slots; in multiples of 16 they were 176 and 192) run one
+    compiled prefill and one decode loop, and the tokens are those of each prompt
+    generated alone (padding changes nothing)."""
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    rng = np.random.default_rng(4)
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=())
+    prefill_before, decode_before = prefill._cache_size(), decode._cache_size()
+    calls = [[rng.integers(0, model.config.vocab_size, n).tolist(), [5, 6, 7]] for n in (161, 170, 185)]
+    batched = [generate(model, prompts, params) for prompts in calls]
+    assert (prefill._cache_size() - prefill_before, decode._cache_size() - decode_before) == (1, 1)
+    for prompts, results in zip(calls, batched):
+        for prompt, got in zip(prompts, results):
+            assert got.tokens == generate(model, [prompt], params)[0].tokens

@@ -49,15 +49,23 @@ def test_rollout_batch_scores_the_answers_as_sampled(checkpoints):
         rollout_batch(prompts, gens[:-1], adv)
 
 
-def test_length_buckets_are_few_and_waste_at_most_half():
-    """`length_bucket` against its definition, enumerated: the least `m * 2**k` or
-    `m * 3 * 2**k` at or above the length."""
+@pytest.mark.parametrize("per_octave", [2, 4])
+def test_length_buckets_are_few_and_waste_at_most_a_fraction(per_octave):
+    """`length_bucket` against its definition, enumerated: the least `m * u` at or
+    above the length, `u` in `1..per_octave` or `2**k * (1 + i / per_octave)` (with
+    `per_octave=2`: `m * 2**k` or `m * 3 * 2**k`)."""
+    p = per_octave
     for m in (8, 16):
-        candidates = sorted({m * f * 2**k for f in (1, 3) for k in range(12)})
+        units = set(range(1, p + 1)) | {2**k + i * 2**k // p for k in range(12) if 2**k >= p for i in range(p)}
+        candidates = sorted(m * u for u in units)
+        if p == 2:
+            assert candidates[:12] == sorted({m * f * 2**k for f in (1, 3) for k in range(12)})[:12]
         for n in range(1, 3000):
-            assert length_bucket(n, m) == next(c for c in candidates if c >= n), (n, m)
-            assert n <= m or length_bucket(n, m) <= 1.5 * n + m
-        assert len({length_bucket(n, m) for n in range(1, 8193)}) <= 2 * (8192 // m).bit_length()
+            assert length_bucket(n, m, per_octave=p) == next(c for c in candidates if c >= n), (n, m)
+            assert n <= p * m or length_bucket(n, m, per_octave=p) <= (1 + 1 / p) * n + m
+        assert len({length_bucket(n, m, per_octave=p) for n in range(1, 8193)}) <= p * (8192 // m).bit_length()
+    with pytest.raises(ValueError, match="per_octave must be a power of two, got 3"):
+        length_bucket(100, 16, per_octave=3)
 
 
 def test_final_answer_and_exact_match():

@@ -16,16 +16,22 @@ def round_up(a, b):
     return ceil_div(a, b) * b
 
 
-def length_bucket(n: int, multiple: int) -> int:
-    """The smallest of `multiple * 2**k` and `multiple * 3 * 2**k` (k >= 0) that is
-    `>= n`: a length padded to it is at most 1.5x the length (above `2 * multiple`),
-    and lengths up to `L` fall into about `2 * log2(L / multiple)` buckets (shapes to
-    compile)."""
-    if n <= multiple:
-        return multiple
-    units = ceil_div(n, multiple)
-    power = 1 << (units - 1).bit_length()  # the power of two >= units
-    return multiple * (3 * power // 4 if 3 * power // 4 >= units else power)
+def length_bucket(n: int, multiple: int, *, per_octave: int = 2) -> int:
+    """The smallest bucket `>= n`: `multiple * u` with `u` in `1..per_octave`, or
+    `u = 2**k * (1 + i / per_octave)` (`2**k >= per_octave`, `0 <= i < per_octave`).
+    With `per_octave=2` that is `multiple * 2**k` or `multiple * 3 * 2**k`. A length
+    padded to its bucket is at most `1 + 1 / per_octave` times the length (above
+    `per_octave * multiple`), and lengths up to `L` fall into about
+    `per_octave * log2(L / multiple)` buckets (shapes to compile).
+
+    `per_octave`: a power of two."""
+    if per_octave < 1 or per_octave & (per_octave - 1):
+        raise ValueError(f"per_octave must be a power of two, got {per_octave}")
+    units = ceil_div(max(n, 1), multiple)
+    if units <= per_octave:
+        return units * multiple
+    step = (1 << (units.bit_length() - 1)) // per_octave  # an octave [2**k, 2**(k+1)) in per_octave steps
+    return ceil_div(units, step) * step * multiple
 
 
 def concrete_value(x) -> np.ndarray | None:

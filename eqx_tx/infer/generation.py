@@ -27,7 +27,7 @@ from ..core.compute import ComputeConfig
 from ..core.distributed import to_host
 from ..core.log import log_once
 from ..core.sharding import commit, current_mesh, mesh_context
-from ..core.util import round_up
+from ..core.util import length_bucket, round_up
 from ..kernels.dispatch import target_platform
 from ..kernels.mask import AttentionMask
 from ..layers.block import unstack
@@ -162,16 +162,23 @@ def _cache_for(model: CausalLM, batch: int, max_len: int, dtype) -> KVCache:
     return new_cache(model.config, batch, max_len, model.dtype if dtype is None else dtype, mesh=current_mesh())
 
 
+def _bucket(n: int, multiple: int) -> int:
+    """`n` padded to a length bucket (`length_bucket`, four per octave): prompts and
+    caches of every length take few shapes, so calls compile few programs, for at most
+    25% more slots (on a TPU the decode kernel reads only the live ones)."""
+    return length_bucket(n, multiple, per_octave=4)
+
+
 def _pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int | None) -> tuple[np.ndarray, np.ndarray, int]:
     """Right-pad `prompts` to a whole number of prefill chunks.
 
     **Returns:** `tokens [P, T]`, `lengths [P]` and the chunk size (default: the
-    longest prompt rounded up to 16, one chunk).
+    longest prompt's length bucket of 16s, one chunk). `T` is a bucket of chunks.
     """
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     longest = int(lengths.max())
-    chunk = chunk_size or round_up(longest, 16)
-    tokens = np.zeros((len(prompts), round_up(longest, chunk)), np.int32)
+    chunk = chunk_size or _bucket(longest, 16)
+    tokens = np.zeros((len(prompts), chunk * _bucket(-(-longest // chunk), 1)), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths, chunk
@@ -211,9 +218,9 @@ def _plan(prompts, params, n: int, share_prefix: bool, prefill_chunk_size) -> tu
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     max_new = max(sp.max_new_tokens for sp in params)
     if shared:
-        cache_len = round_up(int(lengths.max()), 16)
+        cache_len = _bucket(int(lengths.max()), 16)
     else:
-        cache_len = round_up(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
+        cache_len = _bucket(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
     plan = _Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
     sequence_params = [sp for sp in params for _ in range(n)] if shared else params
     samples = list(range(n)) * (plan.S // n)
@@ -403,6 +410,6 @@ def teacher_forced_logits(
     steps = steps.pop()
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     with mesh_context(model):
-        cache = _cache_for(model, len(prompts), round_up(int(lengths.max()) + steps, cache_multiple()), cache_dtype)
+        cache = _cache_for(model, len(prompts), _bucket(int(lengths.max()) + steps, cache_multiple()), cache_dtype)
         return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)
