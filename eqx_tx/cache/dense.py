@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh, HasAxes, mesh_axis_size
-from ..kernels.decode_tpu import decode_attention_dense
+from ..kernels.decode_tpu import decode_attention_dense, kernel_options
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.mask import AttentionMask
 from ..kernels.quantized import Quantized
@@ -118,10 +118,8 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
             lengths = positions[:, 0] + 1
             if mask.kv_lengths is not None:
                 lengths = jnp.minimum(lengths, mask.kv_lengths)
-            interpret = None if compute.attention == "decode_tpu" else False
             o = decode_attention_dense(q, cache.k, cache.v, layer, lengths, scales=cache.scales,
-                                       tokens_per_step=compute.decode_step_tokens(cache.scales is not None),
-                                       interpret=interpret)
+                                       **kernel_options(compute, quantized=cache.scales is not None))
             return o, cache
         if own_keys:
             keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh, HasAxes
-from ..kernels.decode_tpu import decode_attention_blocks
+from ..kernels.decode_tpu import decode_attention_blocks, kernel_options
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.mask import AttentionMask
 from ..kernels.paged import paged_attention
@@ -123,10 +123,8 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
             cache = self.write(layer, k, v, positions)
         if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
-            interpret = None if compute.attention == "decode_tpu" else False
             o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
                                         scales=cache.scales,
-                                        tokens_per_step=compute.decode_step_tokens(cache.scales is not None),
-                                        interpret=interpret)
+                                        **kernel_options(compute, quantized=cache.scales is not None))
             return o[:, None], cache
         return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache

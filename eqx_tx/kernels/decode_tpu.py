@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int, Int8
 
+from ..core.compute import ComputeConfig
 from ..core.log import log_once
 from ..core.util import ceil_div
 
@@ -183,6 +184,14 @@ def _first_slot(length, j, *, block: int, step_blocks: int):
     """
     blocks = ceil_div(length, block)
     return j * step_blocks - (ceil_div(blocks, step_blocks) * step_blocks - blocks)
+
+
+def kernel_options(compute: ComputeConfig, *, quantized: bool) -> dict:
+    """The kernel's `tokens_per_step` for an int8 (`quantized`) or other cache, and
+    `interpret` as `compute` asks: asked for by name (`decode_tpu`), off a TPU in
+    Pallas's interpreter; chosen by `auto` (on a TPU only), compiled."""
+    return dict(tokens_per_step=compute.decode_step_tokens(quantized),
+                interpret=None if compute.attention == "decode_tpu" else False)
 
 
 def _interpret(interpret: bool | None) -> bool:
