@@ -9,7 +9,9 @@ from jaxtyping import Array, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh
+from ..kernels.decode_tpu import decode_attention_dense_with_lse, kernel_options
 from ..kernels.dispatch import CacheKind, select_attention
+from ..kernels.flash import merge_partials
 from ..kernels.mask import AttentionMask
 from ..kernels.shared_prefix import shared_prefix_attention
 from .base import AbstractCache
@@ -42,18 +44,41 @@ class SharedPrefixCache(AbstractCache):
 
     def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                mesh: AnyMesh | None):
-        """Write the completion slots, then attend over prompt and completion."""
-        choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
-                                  compute=compute, segmented=mask.segment_ids is not None)
-        assert choice.backend == "shared_prefix" and mask.kv_lengths is not None
+        """Write the completion slots, then attend over prompt and completion.
+
+        Decoding with `compute.attention="decode_tpu"`, both parts are read in place
+        by the TPU decode kernel (`decode_attention_dense`; the samples of a prompt
+        read its row) and merged by their log-sum-exps; otherwise each part's layer is
+        sliced out of its stack and attended blockwise."""
+        assert mask.kv_lengths is not None
+        on_kernel = compute.attention == "decode_tpu" and q.shape[1] == 1
+        if on_kernel:  # each part checked as the dense cache it is (raises naming why it cannot run)
+            for part in (self.prompt, self.completion):
+                select_attention(q.shape, part.k.shape[1:], q.dtype, cache=part.kind, q_offset=mask.q_offset,
+                                 mesh=mesh, compute=compute)
+            block_q = block_kv = 0
+        else:
+            choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
+                                      compute=compute, segmented=mask.segment_ids is not None)
+            assert choice.backend == "shared_prefix"
+            block_q, block_kv = choice.block_q, choice.block_kv
         # Completion slot t holds position prompt_length + t.
         slots = positions - jnp.repeat(self.prompt_lengths, self.n)[:, None]
         with jax.named_scope("cache_write"):
             completion = self.completion.write(layer, k, v, slots)
+        if on_kernel:
+            options = kernel_options(compute, quantized=completion.scales is not None)
+            o_own, lse_own = decode_attention_dense_with_lse(q, completion.k, completion.v, layer, mask.kv_lengths,
+                                                             scales=completion.scales, **options)
+            o_pre, lse_pre = decode_attention_dense_with_lse(
+                q, self.prompt.k, self.prompt.v, layer, jnp.repeat(self.prompt_lengths, self.n),
+                scales=self.prompt.scales, rows=jnp.arange(q.shape[0]) // self.n, **options)
+            o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
+            return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, self, completion)
         k_own, v_own = completion.layer(layer)
         k_prompt, v_prompt = self.prompt.layer(layer)
         o = shared_prefix_attention(
             q, k_own, v_own, k_prompt, v_prompt, own_lengths=mask.kv_lengths, own_offset=mask.q_offset,
-            prompt_lengths=self.prompt_lengths, block_q=choice.block_q, block_kv=choice.block_kv,
+            prompt_lengths=self.prompt_lengths, block_q=block_q, block_kv=block_kv,
         )
         return o, eqx.tree_at(lambda c: c.completion, self, completion)

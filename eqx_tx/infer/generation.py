@@ -40,9 +40,9 @@ from .text import Message, Tokenizer
 
 def cache_multiple() -> int:
     """A dense cache's slots come in whole multiples of this: 128 on a TPU, whose decode
-    kernel reads the cache in blocks of up to 512 tokens that divide it (an int8
-    cache's scales in lane tiles of 128 tokens); 16 elsewhere, where attention reads
-    every slot (the xla path) and fewer are faster."""
+    kernel reads the cache in blocks of 128 tokens (an int8 cache's scales in lane
+    tiles of 128 tokens); 16 elsewhere, where attention reads every slot (the xla path)
+    and fewer are faster."""
     return 128 if target_platform(current_mesh()) == "tpu" else 16
 
 
@@ -218,7 +218,7 @@ def _plan(prompts, params, n: int, share_prefix: bool, prefill_chunk_size) -> tu
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     max_new = max(sp.max_new_tokens for sp in params)
     if shared:
-        cache_len = _bucket(int(lengths.max()), 16)
+        cache_len = _bucket(int(lengths.max()), cache_multiple())
     else:
         cache_len = _bucket(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
     plan = _Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
@@ -234,7 +234,7 @@ def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeCo
                             compute=compute)
     lengths = plan.lengths
     if plan.shared:  # the completion caches exist only after prefill: peak = max, not sum
-        completion = _cache_for(model, plan.S, round_up(plan.max_new, 16), cache_dtype)
+        completion = _cache_for(model, plan.S, round_up(plan.max_new, cache_multiple()), cache_dtype)
         cache = SharedPrefixCache(cache, completion, jnp.asarray(plan.lengths))
         logits = jnp.repeat(logits, plan.n, axis=0)
         lengths = np.repeat(lengths, plan.n)

@@ -54,6 +54,7 @@ _MASKED = -1e30
 
 _LANES = 128
 _PARTS = 3  # bf16 parts of a float32 scale
+DENSE_BLOCK = 128  # tokens per block of a dense cache (`decode_attention_dense`)
 
 
 def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_block: int | None = None) -> str | None:
@@ -102,15 +103,17 @@ def _scale_rows(k_scales, v_scales, expand):
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, block: int, kv_heads: int,
-            group: int, scale: float, quantized: bool, concatenate: bool):
+            group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
-    # scale and value scale tiles; then the output, the scratch and (int8) the expansion.
-    # Each block is folded into the online softmax on its own, or (`concatenate`) the
-    # step's blocks as one.
+    # scale and value scale tiles; then the output (and its log-sum-exp), the scratch
+    # and (int8) the expansion. Each block is folded into the online softmax on its
+    # own, or (`concatenate`) the step's blocks as one.
     n = (4 if quantized else 2) * step_blocks
     k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
     ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
-    (o_ref, m_ref, l_ref, acc_ref), expand_refs = rest[n:n + 4], rest[n + 4:]
+    outputs = 2 if with_lse else 1
+    o_ref, lse_ref = rest[n], (rest[n + 1] if with_lse else None)
+    (m_ref, l_ref, acc_ref), expand_refs = rest[n + outputs:n + outputs + 3], rest[n + outputs + 3:]
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
     first = _first_slot(length, j, block=block, step_blocks=step_blocks)
@@ -170,6 +173,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
         o_ref[...] = (acc_ref[...] / l_ref[...][:, :1]).astype(o_ref.dtype)
+        if lse_ref is not None:  # [heads, lanes], every lane the same
+            lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
 
 
 def _first_slot(length, j, *, block: int, step_blocks: int):
@@ -239,12 +244,13 @@ def decode_attention_blocks(
 
     **Returns:** the attention output, like `q`.
     """
-    return _blocks(q, k, v, layer, table, lengths, scales, tokens_per_step=tokens_per_step,
-                   interpret=_interpret(interpret))
+    out, _ = _blocks(q, k, v, layer, table, lengths, scales, tokens_per_step=tokens_per_step, with_lse=False,
+                     interpret=_interpret(interpret))
+    return out
 
 
-@functools.partial(jax.jit, static_argnames=("tokens_per_step", "interpret"))
-def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("tokens_per_step", "with_lse", "interpret"))
+def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, with_lse: bool, interpret: bool):
     B, N, H = q.shape
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
@@ -289,21 +295,27 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, int
     # The grid walks the longest sequence's blocks, not the table's width (a dynamic
     # bound: an engine's tables are as wide as its longest allowed sequence).
     steps = ceil_div(jnp.max(lengths), n * block)
+    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if with_lse:  # [batch, heads, lanes], every lane the same (a whole tile per row)
+        out_specs.append(pl.BlockSpec((None, N, _LANES), lambda b, j, *_: (b, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, N, _LANES), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(B, steps), in_specs=in_specs, out_specs=q_spec, scratch_shapes=scratch)
+        num_scalar_prefetch=3, grid=(B, steps), in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
     # int8 blocks are bound by their compute, not their DMAs: one fold per step shares
     # its fixed costs (at stop 46, a concatenating form read 4k x 32 int8 at 23.9 ms a
     # step where folding block by block took 29-31).
     kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
-                               quantized=scales is not None, concatenate=scales is not None and n > 1)
-    return pl.pallas_call(
+                               quantized=scales is not None, concatenate=scales is not None and n > 1,
+                               with_lse=with_lse)
+    outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="decode_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, table, *operands)
+    return outs[0], (outs[1] if with_lse else None)
 
 
 def dense_block(max_len: int, preferred: int = 512) -> int:
@@ -324,20 +336,58 @@ def decode_attention_dense(
     *,
     scales: tuple[Float[Array, "layers batch kv_heads max_len"], Float[Array, "layers batch kv_heads max_len"]]
     | None = None,
-    block: int = 512,
+    block: int = DENSE_BLOCK,
     tokens_per_step: int = 512,
     interpret: bool | None = None,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`decode_attention_blocks` over layer `layer` of a dense stacked cache, read in
-    place in blocks of `dense_block(max_len, min(block, max(tokens_per_step, 128)))` tokens.
+    place in blocks of `dense_block(max_len, block)` tokens, `tokens_per_step` tokens'
+    worth per grid step. The block does not grow with the cache (128 for any multiple
+    of 128: what the TPU measurements read), so a cache padded to a length bucket is
+    read as one of its exact size would be.
 
     `scales`, `tokens_per_step`, `interpret`: as for `decode_attention_blocks` (a
     dense cache's scales, tokens-minor, are already one sequence per row).
     """
-    L, B, S, K, H = k.shape
-    blk = dense_block(S, min(block, max(tokens_per_step, _LANES)))
-    blocks = k.reshape(L, B * (S // blk), blk, K, H), v.reshape(L, B * (S // blk), blk, K, H)
-    table = jnp.arange(B)[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
-    out = decode_attention_blocks(q[:, 0], *blocks, layer, table, lengths, scales=scales,
-                                  tokens_per_step=tokens_per_step, interpret=interpret)
-    return out[:, None]
+    out, _ = _dense(q, k, v, layer, lengths, scales, None, block=block, tokens_per_step=tokens_per_step,
+                    with_lse=False, interpret=interpret)
+    return out
+
+
+def decode_attention_dense_with_lse(
+    q: Float[Array, "batch 1 heads head_dim"],
+    k: Float[Array, "layers rows max_len kv_heads head_dim"] | Int8[Array, "layers rows max_len kv_heads head_dim"],
+    v: Float[Array, "layers rows max_len kv_heads head_dim"] | Int8[Array, "layers rows max_len kv_heads head_dim"],
+    layer: Int[Array, ""],
+    lengths: Int[Array, " batch"],
+    *,
+    scales: tuple[Float[Array, "layers rows kv_heads max_len"], Float[Array, "layers rows kv_heads max_len"]]
+    | None = None,
+    rows: Int[Array, " batch"] | None = None,
+    block: int = DENSE_BLOCK,
+    tokens_per_step: int = 512,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "batch 1 heads head_dim"], Float[Array, "batch 1 heads"]]:
+    """`decode_attention_dense`, with each query's log-sum-exp of its scaled scores
+    (float32), to merge with attention over other keys (`flash.merge_partials`).
+
+    `rows`: the cache row each query reads (default: its own; several queries may
+    read one row, as the samples of a shared prompt do).
+    """
+    out, lse = _dense(q, k, v, layer, lengths, scales, rows, block=block, tokens_per_step=tokens_per_step,
+                      with_lse=True, interpret=interpret)
+    assert lse is not None
+    return out, lse
+
+
+def _dense(q, k, v, layer, lengths, scales, rows, *, block: int, tokens_per_step: int, with_lse: bool,
+           interpret: bool | None):
+    """The dense cache as blocks, row `rows[b]` (default `b`) read by query `b`."""
+    L, R, S, K, H = k.shape
+    blk = dense_block(S, block)
+    blocks = k.reshape(L, R * (S // blk), blk, K, H), v.reshape(L, R * (S // blk), blk, K, H)
+    rows = jnp.arange(q.shape[0]) if rows is None else rows
+    table = rows[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
+    out, lse = _blocks(q[:, 0], *blocks, layer, table, lengths, scales, tokens_per_step=tokens_per_step,
+                       with_lse=with_lse, interpret=_interpret(interpret))
+    return out[:, None], (None if lse is None else lse[:, None, :, 0])

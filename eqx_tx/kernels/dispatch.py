@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from ..core.compute import AttentionImpl, ComputeConfig
 from ..core.log import log_once
 from ..core.sharding import AnyMesh, current_mesh, mesh_axis_size
-from .decode_tpu import decode_tpu_reason, dense_block
+from .decode_tpu import DENSE_BLOCK, decode_tpu_reason, dense_block
 from .quantized import Quantized
 from .sdpa import attend
 from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
@@ -138,7 +138,7 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, page_size: i
         return None
     int8_block = None
     if cache == "int8":
-        int8_block = dense_block(k_shape[1])
+        int8_block = dense_block(k_shape[1], DENSE_BLOCK)
     elif cache == "paged_int8":
         assert page_size is not None, "a page pool's page size"
         int8_block = page_size
@@ -165,7 +165,9 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
     if cache == "none" and mesh_axis_size(mesh, "sp") > 1:
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
     if cache == "shared_prefix":
-        return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp")
+        return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp; "
+                                                "decode_tpu reads them in place only when asked for by name (not yet "
+                                                "measured on a TPU)")
     if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
         if T == 1 and cache != "none":
             return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)

@@ -10,6 +10,7 @@ from eqx_tx.kernels import dispatch
 from eqx_tx.kernels.decode_tpu import (
     decode_attention_blocks,
     decode_attention_dense,
+    decode_attention_dense_with_lse,
     dense_block,
 )
 from eqx_tx.kernels.quantized import Quantized
@@ -177,6 +178,61 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch, cache_dtype):
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_shared_prompt_samples_decode_on_the_kernel_as_blockwise(tmp_path, monkeypatch, cache_dtype):
+    """`generate(n=3, share_prefix=True)` with `decode_tpu`: every decode step reads
+    the prompts' rows (each sample its prompt's) and the samples' own completions in
+    place, two kernel calls merged by their log-sum-exps (interpreted); the tokens and
+    log-probs equal those of the blockwise shared-prefix path."""
+    from eqx_tx.cache import shared_prefix
+
+    calls = []
+    monkeypatch.setattr(shared_prefix, "decode_attention_dense_with_lse",
+                        lambda *a, **kw: calls.append("prompt" if kw.get("rows") is not None else "own")
+                        or decode_attention_dense_with_lse(*a, **kw))
+    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = eqx_tx.load(path, progress=False)
+    prompts = [[5, 6, 7], list(range(10, 30))]
+    params = [eqx_tx.SamplingParams(max_new_tokens=12, temperature=0.0),
+              eqx_tx.SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)]
+
+    def run(attention):
+        return eqx_tx.generate(model, prompts, params, n=3, share_prefix=True, cache_dtype=cache_dtype,
+                               compute=eqx_tx.ComputeConfig(attention=attention))
+
+    want, got = run("xla"), run("decode_tpu")
+    assert calls and set(calls) == {"prompt", "own"}
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+
+
+def test_rows_let_queries_share_a_cache_row_and_lse_merges_two_parts():
+    """`decode_attention_dense_with_lse(rows=...)`: 4 queries over 2 cache rows (each row read by
+    two), with log-sum-exps; merging the halves of a cache read as two caches gives
+    attention over the whole (`flash.merge_partials`), against the float64 reference."""
+    from eqx_tx.kernels.flash import merge_partials
+
+    L, R, S, K, H, N = 2, 2, 256, 8, 128, 16
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((L, R, S, K, H)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((4, 1, N, H)).astype(np.float32)
+    rows, lengths = np.array([0, 0, 1, 1]), np.array([256, 100, 200, 256])
+    halves = []
+    for part in (slice(0, 128), slice(128, 256)):
+        part_lengths = np.clip(lengths - part.start, 0, 128)
+        halves.append(decode_attention_dense_with_lse(
+            jnp.asarray(q), jnp.asarray(k[:, :, part]), jnp.asarray(v[:, :, part]), jnp.asarray(1),
+            jnp.asarray(np.maximum(part_lengths, 1)), rows=jnp.asarray(rows), block=64, interpret=True))
+        if part.start:  # a part with no visible key contributes nothing
+            halves[-1] = (halves[-1][0], jnp.where(jnp.asarray(part_lengths > 0)[:, None, None], halves[-1][1],
+                                                   -jnp.inf))
+    out, _ = merge_partials(*halves[0], *halves[1])
+    want = _reference(q[:, 0], k[1][rows], v[1][rows], lengths)
+    np.testing.assert_allclose(np.asarray(out[:, 0]), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
