@@ -148,6 +148,16 @@ def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
         assert _choose(cache=cache, page_size=16, attention="decode_tpu").backend == "decode_tpu"
 
 
+def _small_model_and_requests(tmp_path):
+    """A 2-layer GQA checkpoint, and a greedy and a sampled request of different lengths."""
+    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    prompts = [[5, 6, 7], list(range(10, 30))]
+    params = [eqx_tx.SamplingParams(max_new_tokens=12, temperature=0.0),
+              eqx_tx.SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)]
+    return eqx_tx.load(path, progress=False), prompts, params
+
+
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
 def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch, cache_dtype):
     """Greedy and sampled tokens and their log-probs from `generate` with every decode
@@ -160,12 +170,7 @@ def test_generate_on_the_kernel_equals_xla(tmp_path, monkeypatch, cache_dtype):
     monkeypatch.setattr(dense, "decode_attention_dense",
                         lambda *a, **kw: calls.append((a[1].shape, kw["tokens_per_step"]))
                         or decode_attention_dense(*a, **kw))
-    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    model = eqx_tx.load(path, progress=False)
-    prompts = [[5, 6, 7], list(range(10, 30))]
-    params = [eqx_tx.SamplingParams(max_new_tokens=12, temperature=0.0),
-              eqx_tx.SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)]
+    model, prompts, params = _small_model_and_requests(tmp_path)
 
     def run(attention):
         return eqx_tx.generate(model, prompts, params, n=2, share_prefix=False, cache_dtype=cache_dtype,
@@ -192,12 +197,7 @@ def test_shared_prompt_samples_decode_on_the_kernel_as_blockwise(tmp_path, monke
     monkeypatch.setattr(shared_prefix, "decode_attention_dense_with_lse",
                         lambda *a, **kw: calls.append("prompt" if kw.get("rows") is not None else "own")
                         or decode_attention_dense_with_lse(*a, **kw))
-    path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=100, hidden_size=64, intermediate_size=96,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    model = eqx_tx.load(path, progress=False)
-    prompts = [[5, 6, 7], list(range(10, 30))]
-    params = [eqx_tx.SamplingParams(max_new_tokens=12, temperature=0.0),
-              eqx_tx.SamplingParams(max_new_tokens=9, temperature=1.0, seed=3)]
+    model, prompts, params = _small_model_and_requests(tmp_path)
 
     def run(attention):
         return eqx_tx.generate(model, prompts, params, n=3, share_prefix=True, cache_dtype=cache_dtype,
