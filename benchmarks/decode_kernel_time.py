@@ -13,12 +13,12 @@ sheet's bandwidth. No weights, no cache writes: what the kernel costs a decode s
 
 import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from timing import median_times
 
 from eqx_tx.kernels.decode_tpu import decode_attention_blocks
 
@@ -69,13 +69,8 @@ def step_ms(q, k, v, table, lengths, scales, *, tokens_per_step: int, repeats: i
         return jax.lax.fori_loop(0, LAYERS, body, jnp.zeros(q.shape, jnp.float32))
 
     compiled = layers.lower(q, k, v, table, lengths, scales).compile()
-    jax.block_until_ready(compiled(q, k, v, table, lengths, scales))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v, table, lengths, scales))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    call = lambda: jax.block_until_ready(compiled(q, k, v, table, lengths, scales))  # noqa: E731
+    return 1e3 * median_times({"kernel": call}, repeats)["kernel"]
 
 
 def main(args: Args) -> None:

@@ -47,38 +47,45 @@ class SharedPrefixCache(AbstractCache):
         """Write the completion slots, then attend over prompt and completion.
 
         Decoding with `compute.attention="decode_tpu"`, both parts are read in place
-        by the TPU decode kernel (`decode_attention_dense`; the samples of a prompt
-        read its row) and merged by their log-sum-exps; otherwise each part's layer is
+        by the TPU decode kernel (`_attend_in_place`); otherwise each part's layer is
         sliced out of its stack and attended blockwise."""
         assert mask.kv_lengths is not None
-        on_kernel = compute.attention == "decode_tpu" and q.shape[1] == 1
-        if on_kernel:  # each part checked as the dense cache it is (raises naming why it cannot run)
-            for part in (self.prompt, self.completion):
-                select_attention(q.shape, part.k.shape[1:], q.dtype, cache=part.kind, q_offset=mask.q_offset,
-                                 mesh=mesh, compute=compute)
-            block_q = block_kv = 0
-        else:
-            choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
-                                      compute=compute, segmented=mask.segment_ids is not None)
-            assert choice.backend == "shared_prefix"
-            block_q, block_kv = choice.block_q, choice.block_kv
-        # Completion slot t holds position prompt_length + t.
-        slots = positions - jnp.repeat(self.prompt_lengths, self.n)[:, None]
-        with jax.named_scope("cache_write"):
-            completion = self.completion.write(layer, k, v, slots)
-        if on_kernel:
-            options = kernel_options(compute, quantized=completion.scales is not None)
-            o_own, lse_own = decode_attention_dense_with_lse(q, completion.k, completion.v, layer, mask.kv_lengths,
-                                                             scales=completion.scales, **options)
-            o_pre, lse_pre = decode_attention_dense_with_lse(
-                q, self.prompt.k, self.prompt.v, layer, jnp.repeat(self.prompt_lengths, self.n),
-                scales=self.prompt.scales, rows=jnp.arange(q.shape[0]) // self.n, **options)
-            o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
-            return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, self, completion)
+        if compute.attention == "decode_tpu" and q.shape[1] == 1:
+            return self._attend_in_place(q, k, v, layer=layer, positions=positions, mask=mask, compute=compute,
+                                         mesh=mesh)
+        choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
+                                  compute=compute, segmented=mask.segment_ids is not None)
+        assert choice.backend == "shared_prefix"
+        completion = self._write(layer, k, v, positions)
         k_own, v_own = completion.layer(layer)
         k_prompt, v_prompt = self.prompt.layer(layer)
         o = shared_prefix_attention(
             q, k_own, v_own, k_prompt, v_prompt, own_lengths=mask.kv_lengths, own_offset=mask.q_offset,
-            prompt_lengths=self.prompt_lengths, block_q=block_q, block_kv=block_kv,
+            prompt_lengths=self.prompt_lengths, block_q=choice.block_q, block_kv=choice.block_kv,
         )
         return o, eqx.tree_at(lambda c: c.completion, self, completion)
+
+    def _write(self, layer, k, v, positions) -> KVCache:
+        """The completion cache with these keys/values written: completion slot `t`
+        holds position `prompt_length + t`."""
+        slots = positions - jnp.repeat(self.prompt_lengths, self.n)[:, None]
+        with jax.named_scope("cache_write"):
+            return self.completion.write(layer, k, v, slots)
+
+    def _attend_in_place(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
+                         mesh: AnyMesh | None):
+        """One decoding query per sample on the TPU decode kernel: its prompt's row
+        and its own completion read in place, merged by their log-sum-exps."""
+        assert mask.kv_lengths is not None
+        for part in (self.prompt, self.completion):  # each checked as the dense cache it is (raises naming why)
+            select_attention(q.shape, part.k.shape[1:], q.dtype, cache=part.kind, q_offset=mask.q_offset, mesh=mesh,
+                             compute=compute)
+        completion = self._write(layer, k, v, positions)
+        options = kernel_options(compute, quantized=completion.scales is not None)
+        o_own, lse_own = decode_attention_dense_with_lse(q, completion.k, completion.v, layer, mask.kv_lengths,
+                                                         scales=completion.scales, **options)
+        o_pre, lse_pre = decode_attention_dense_with_lse(
+            q, self.prompt.k, self.prompt.v, layer, jnp.repeat(self.prompt_lengths, self.n),
+            scales=self.prompt.scales, rows=jnp.arange(q.shape[0]) // self.n, **options)
+        o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
+        return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, self, completion)

@@ -27,7 +27,7 @@ from ..core.compute import ComputeConfig
 from ..core.distributed import to_host
 from ..core.log import log_once
 from ..core.sharding import commit, current_mesh, mesh_context
-from ..core.util import length_bucket, round_up
+from ..core.util import ceil_div, length_bucket, round_up
 from ..kernels.dispatch import target_platform
 from ..kernels.mask import AttentionMask
 from ..layers.block import unstack
@@ -178,7 +178,7 @@ def _pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int | None) -> tu
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     longest = int(lengths.max())
     chunk = chunk_size or _bucket(longest, 16)
-    tokens = np.zeros((len(prompts), chunk * _bucket(-(-longest // chunk), 1)), np.int32)
+    tokens = np.zeros((len(prompts), chunk * _bucket(ceil_div(longest, chunk), 1)), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths, chunk

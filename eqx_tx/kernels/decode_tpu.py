@@ -116,7 +116,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
     (m_ref, l_ref, acc_ref), expand_refs = rest[n + outputs:n + outputs + 3], rest[n + outputs + 3:]
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
-    first = _first_slot(length, j, block=block, step_blocks=step_blocks)
+    first = _first_slot(ceil_div(length, block), j, step_blocks=step_blocks)
 
     @pl.when(j == 0)
     def _():
@@ -177,9 +177,10 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, *rest, step_blocks: int, b
             lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
 
 
-def _first_slot(length, j, *, block: int, step_blocks: int):
-    """The sequence's block in slot 0 of grid step `j`: `j * step_blocks` less the
-    step's dead slots, so that its first step, not its last, is the partial one.
+def _first_slot(blocks, j, *, step_blocks: int):
+    """The block in slot 0 of grid step `j` of a sequence of `blocks` blocks:
+    `j * step_blocks` less the step's dead slots, so that its first step, not its
+    last, is the partial one.
 
     Each step's DMAs are issued during the step before; a partial last step would
     leave a sequence's last compute too short to cover the next sequence's first
@@ -187,7 +188,6 @@ def _first_slot(length, j, *, block: int, step_blocks: int):
     the first step the one it reads at the second, past the last step the one it
     read at the last, so the index repeats and Pallas moves no bytes for it.
     """
-    blocks = ceil_div(length, block)
     return j * step_blocks - (ceil_div(blocks, step_blocks) * step_blocks - blocks)
 
 
@@ -260,10 +260,8 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
 
     def block_id(b, j, i, lengths_ref, table_ref):
         """The block operand `i` reads at step `j` (see `_first_slot`)."""
-        length = lengths_ref[b]
-        blocks = ceil_div(length, block)
-        steps = ceil_div(blocks, n)
-        slot = _first_slot(length, jnp.minimum(j, steps - 1), block=block, step_blocks=n) + i
+        blocks = ceil_div(lengths_ref[b], block)
+        slot = _first_slot(blocks, jnp.minimum(j, ceil_div(blocks, n) - 1), step_blocks=n) + i
         slot = jnp.where(slot < 0, slot + n, slot)
         return table_ref[b * P + jnp.clip(slot, 0, blocks - 1)]
 
