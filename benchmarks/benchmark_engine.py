@@ -13,7 +13,9 @@ of KV cache:
   admitted as pages free up (compiled in a warm-up run first).
 
 Reported: generated tokens/s of each and the ratio, the engine's pages in use as a
-share of the pool while requests wait (steady state), and with a shared
+share of the pool while requests wait (steady state), the engine's tokens/s with
+`mixed_steps` (a step's prefill chunk and decode rows in one pass) against separate
+prefill and decode passes, and with a shared
 `--system-tokens` system prompt before every request, the prefix cache's hit rate
 and the time to first token of a request on an idle engine without (cold) and with
 (warm) the system prompt cached. Greedy decoding; every engine result equals
@@ -91,7 +93,7 @@ def run_engine(model, args: Args, requests) -> tuple[float, list, float, float]:
     while engine.has_work():
         engine.step()
         stats = engine.stats()
-        if engine._waiting:  # steady state: requests are waiting
+        if stats["waiting"]:  # steady state: requests are waiting
             use.append(stats["pages_in_use"] / engine.num_pages)
             fill.append(stats["tokens_held"] / max(stats["pages_in_use"] * engine.page_size, 1))
     elapsed = time.perf_counter() - start
@@ -141,17 +143,26 @@ def main(args: Args) -> None:
     t_engine, r_engine, utilisation, fill = run_engine(model, args, requests)
     print(f"engine: {t_engine:.1f} s, {generated / t_engine:.0f} tokens/s, while requests wait: pages in use "
           f"{100 * utilisation:.0f}% of the pool, filled {100 * fill:.0f}%")
+    other = dataclasses.replace(args, engine=dataclasses.replace(args.engine, mixed_steps=not args.engine.mixed_steps))
+    t_other, r_other, _, _ = run_engine(model, other, requests)
+    t_mixed, t_separate = (t_engine, t_other) if args.engine.mixed_steps else (t_other, t_engine)
+    print(f"engine, mixed steps: {generated / t_mixed:.0f} tokens/s; separate passes: {generated / t_separate:.0f} "
+          f"tokens/s ({t_separate / t_mixed:.2f}x)")
     t_static, r_static = run_static(model, requests, static_batch)
     print(f"static: {t_static:.1f} s, {generated / t_static:.0f} tokens/s")
-    same = all(a.tokens == b.tokens for a, b in zip(r_engine, r_static))
+    same = all(a.tokens == b.tokens == c.tokens for a, b, c in zip(r_engine, r_static, r_other))
     prefix = prefix_part(model, args, config.vocab_size)
+    other_prefix = prefix_part(model, other, config.vocab_size)
     result = dict(
         model=args.model, requests=args.requests, generated_tokens=generated, cache_tokens=args.engine.max_tokens_in_cache,
         static_batch=static_batch, static_seconds=t_static, engine_seconds=t_engine,
         static_tokens_per_s=generated / t_static, engine_tokens_per_s=generated / t_engine,
-        speedup=t_static / t_engine, engine_pool_use_while_waiting=utilisation, engine_page_fill_while_waiting=fill,
+        speedup=t_static / t_engine, mixed_steps=args.engine.mixed_steps, mixed_tokens_per_s=generated / t_mixed,
+        separate_tokens_per_s=generated / t_separate, mixed_speedup=t_separate / t_mixed,
+        engine_pool_use_while_waiting=utilisation, engine_page_fill_while_waiting=fill,
         results_equal=same,
         platform=jax.devices()[0].platform, **prefix,
+        other_ttft_cold_ms=other_prefix["ttft_cold_ms"], other_ttft_warm_ms=other_prefix["ttft_warm_ms"],
     )
     lines = [
         f"# Engine vs static batching ({args.model}, random weights, {result['platform']})", "",
@@ -163,13 +174,19 @@ def main(args: Args) -> None:
         f"| wall time | {t_static:.1f} s | {t_engine:.1f} s | |",
         f"| cache | {static_batch} rows x 1024 tokens | {args.engine.num_pages} pages x {args.engine.page_size}: "
         f"while requests wait, {100 * utilisation:.0f}% of them in use, {100 * fill:.0f}% of those filled | |", "",
-        f"Every request's tokens equal between the two: {same}.", "",
+        f"The engine with each step's prefill chunk and decode rows in one pass (`mixed_steps`): "
+        f"{generated / t_mixed:.0f} tokens/s; with separate prefill and decode passes: "
+        f"{generated / t_separate:.0f} tokens/s ({t_separate / t_mixed:.2f}x).", "",
+        f"Every request's tokens equal between static batches, the engine and its other step layout: {same}.", "",
         f"## Shared {args.system_tokens}-token system prompt ({args.shared_requests} requests, suffixes 8-32 tokens)", "",
         f"- prefix-cache hit rate of the requests after the first: {100 * prefix['hit_rate_after_first']:.1f}% "
         f"of their prompt tokens (all requests: {100 * prefix['hit_rate_all']:.1f}%)",
         f"- time to first token on an idle engine: system prompt not cached {prefix['ttft_cold_ms']:.1f} ms "
         f"(median of 5), cached {prefix['ttft_warm_ms']:.1f} ms (median of {args.shared_requests - 1}): "
         f"{prefix['ttft_speedup']:.1f}x lower",
+        f"- the same with mixed_steps={other.engine.mixed_steps}: {other_prefix['ttft_cold_ms']:.1f} ms and "
+        f"{other_prefix['ttft_warm_ms']:.1f} ms (on an idle engine a mixed step carries `max_seqs` padding decode "
+        "rows, and the first token is sampled by the next step)",
     ]
     print("\n".join(lines))
     os.makedirs(args.output_dir, exist_ok=True)

@@ -1,5 +1,7 @@
 """The engine on an accelerator: generated tokens/s of `--requests` requests through
-`eqx_tx.Engine`, for each attention setting and page size, beside the bandwidth roofline.
+`eqx_tx.Engine`, for each attention setting, page size, pool dtype and step layout
+(`--mixed-steps`: a step's prefill chunk and decode rows in one pass, or not),
+beside the bandwidth roofline.
 
 Qwen3-0.6B shape, random bf16 weights; every request has a `--prompt`-token random
 prompt and `--new` new tokens (greedy, no stop token); `--max-seqs` slots and a pool
@@ -10,6 +12,7 @@ timed. The roofline is the decode steps' alone: `requests * new` tokens in steps
 includes the prefill, so the share is a lower bound.
 
     python benchmarks/engine_tpu.py --attentions auto xla --page-sizes 16 128
+    python benchmarks/engine_tpu.py --attentions auto --page-sizes 128 --mixed-steps False True
 """
 
 import dataclasses
@@ -39,6 +42,8 @@ class Args:
     page_sizes: tuple[int, ...] = (16, 128)
     kv_dtypes: tuple[str, ...] = ("bf16",)
     """The pool's dtypes: `bf16` or `int8`."""
+    mixed_steps: tuple[bool, ...] = (False,)
+    """`EngineConfig.mixed_steps` settings to run."""
     bandwidth_gbs: float = 819.0
 
 
@@ -49,13 +54,16 @@ def timed_run(engine, requests, cfg, kv: str, args: Args) -> dict:
     tokens/s and share of their own roofline (each step's rows and the keys/values they
     held before it, every weight read once per step)."""
     prefills = []
-    prefill = engine.runner.prefill
+    passes = {name: getattr(engine.runner, name) for name in ("prefill", "mixed")}
 
-    def counted(*a, **k):  # which steps ran a prefill chunk
-        prefills.append(1)
-        return prefill(*a, **k)
+    def counting(run):
+        def counted(*a, **k):  # which steps ran a prefill chunk (alone or beside the decode rows)
+            prefills.append(1)
+            return run(*a, **k)
+        return counted
 
-    engine.runner.prefill = counted
+    for name, run in passes.items():
+        setattr(engine.runner, name, counting(run))
     for prompt, params in requests:
         engine.add(prompt, params)
     generated, decode_s, decode_tokens, decode_bytes, seconds = 0, 0.0, 0, 0.0, 0.0
@@ -70,7 +78,8 @@ def timed_run(engine, requests, cfg, kv: str, args: Args) -> dict:
             decode_s += dt
             decode_tokens += len(events)
             decode_bytes += decode_bytes_per_token(cfg, 2, kv_length=held, kv_bytes=kv_element_bytes(cfg.head_dim, kv))
-    engine.runner.prefill = prefill
+    for name, run in passes.items():
+        setattr(engine.runner, name, run)
     for i in list(engine.scheduler.finished):
         engine.result(i)
     return {"tokens_per_s": round(generated / seconds), "seconds": round(seconds, 2),
@@ -87,19 +96,20 @@ def main(args: Args) -> None:
     requests = [(rng.integers(0, cfg.vocab_size, args.prompt).tolist(),
                  SamplingParams(max_new_tokens=args.new, stop_token_ids=())) for _ in range(args.requests)]
     rows = min(args.max_seqs, args.requests)
-    for attention, page, kv in itertools.product(args.attentions, args.page_sizes, args.kv_dtypes):
+    for attention, page, kv, mixed in itertools.product(args.attentions, args.page_sizes, args.kv_dtypes,
+                                                        args.mixed_steps):
         step_s = decode_bytes_per_token(cfg, 2, kv_length=rows * (args.prompt + args.new / 2),
                                         kv_bytes=kv_element_bytes(cfg.head_dim, kv)) / (args.bandwidth_gbs * 1e9)
         roofline = rows / step_s
         engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=page, max_seq_len=args.prompt + args.new,
                                max_tokens_in_cache=rows * (args.prompt + args.new + page),
-                               cache_dtype=jnp.int8 if kv == "int8" else None,
+                               cache_dtype=jnp.int8 if kv == "int8" else None, mixed_steps=mixed,
                                compute=eqx_tx.ComputeConfig(attention=attention))  # type: ignore[arg-type]
         t = time.perf_counter()
         engine.warmup()
         engine.run(requests)
         compile_s = time.perf_counter() - t
-        row = {"attention": attention, "page_size": page, "kv": kv, "requests": args.requests,
+        row = {"attention": attention, "page_size": page, "kv": kv, "mixed_steps": mixed, "requests": args.requests,
                "max_seqs": args.max_seqs, "prompt": args.prompt, "new": args.new,
                **timed_run(engine, requests, cfg, kv, args), "first_run_s": round(compile_s, 1)}
         row["decode_roofline_tokens_per_s"] = round(roofline)

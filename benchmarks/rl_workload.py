@@ -19,6 +19,7 @@ counts a shared page once per row (`tokens_read`: what the decode kernel reads t
 """
 
 import dataclasses
+import itertools
 import json
 import time
 
@@ -49,6 +50,8 @@ class Args:
     """The page pool's size (keys, values and int8 scales of every layer)."""
     kv_dtypes: tuple[str, ...] = ("bf16",)
     """The pool's dtypes: `bf16` or `int8`."""
+    mixed_steps: tuple[bool, ...] = (False,)
+    """`EngineConfig.mixed_steps` settings to run (each with every pool dtype)."""
     bandwidth_gbs: float = 819.0
     """TPU v5e data sheet."""
     peak_tflops: float = 197.0
@@ -71,13 +74,13 @@ def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
     return out
 
 
-def run(model, cfg, kv: str, args: Args) -> dict:
+def run(model, cfg, kv: str, mixed: bool, args: Args) -> dict:
     element = kv_element_bytes(cfg.head_dim, kv)
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
     pool_tokens = int(args.pool_gib * 2**30 / token_bytes) // args.page_size * args.page_size
     engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size,
                            max_seq_len=args.prompt + args.max_new, max_tokens_in_cache=pool_tokens,
-                           cache_dtype=jnp.int8 if kv == "int8" else None)
+                           cache_dtype=jnp.int8 if kv == "int8" else None, mixed_steps=mixed)
     t = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t
@@ -103,7 +106,8 @@ def run(model, cfg, kv: str, args: Args) -> dict:
     roofline_s, roofline_read_s = held_s / bandwidth + prefill_s, read_s / bandwidth + prefill_s
     assert generated == sum(p.max_new_tokens for _, p, _ in sequences), generated
     del engine
-    return {"kv": kv, "sequences": len(sequences), "generated": generated, "seconds": round(seconds, 1),
+    return {"kv": kv, "mixed_steps": mixed, "sequences": len(sequences), "generated": generated,
+            "seconds": round(seconds, 1),
             "tokens_per_s": round(generated / seconds), "roofline_tokens_per_s": round(generated / roofline_s),
             "of_roofline": f"{roofline_s / seconds:.0%}", "of_roofline_read": f"{roofline_read_s / seconds:.0%}",
             "decode_steps": steps, "mean_rows": round(rows / max(steps, 1), 1),
@@ -119,7 +123,8 @@ def main(args: Args) -> None:
     for kv in args.kv_dtypes:
         if kv not in ("bf16", "int8"):
             raise ValueError(f"--kv-dtypes: bf16 or int8, not {kv!r}")
-        print(json.dumps(run(model, cfg, kv, args)), flush=True)
+    for kv, mixed in itertools.product(args.kv_dtypes, args.mixed_steps):
+        print(json.dumps(run(model, cfg, kv, mixed, args)), flush=True)
 
 
 if __name__ == "__main__":

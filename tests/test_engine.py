@@ -1,6 +1,8 @@
 """The continuous-batching engine over a paged KV cache: every request equals
 `generate` on that request alone, whatever runs beside it and whenever it arrives."""
 
+import collections
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -193,6 +195,53 @@ def test_requests_with_different_adapters_of_a_bank(checkpoints):
         engine.add(prompts[0], adapter=3)
 
 
+def test_mixed_steps_run_prefill_and_decode_in_one_pass_and_change_no_result(checkpoints):
+    """Requests of different adapters of a bank arriving while others decode: with
+    mixed steps each step that prefills while requests run is one pass
+    through the model (`paged_mixed_step`: the chunk's tokens and the decode rows laid
+    out as one row, attention and adapters per group), with real rows in both groups;
+    every result equals the engine's separate passes and `generate` alone, in the pool's
+    dtype. Fewer passes run than with separate prefill and decode passes."""
+    bank = _bank(eqx_tx.load(checkpoints["gqa_untied"], progress=False), adapters=3)
+    requests = _workload(bank.config.vocab_size, seed=6)[:7]
+    adapters = [2, 0, 1, 1, 0, 2, 0]
+    passes = {}
+    for mixed in (True, False):
+        engine = eqx_tx.Engine(bank, max_seqs=3, max_tokens_in_cache=192, page_size=8, prefill_chunk=16,
+                               mixed_steps=mixed, cache_dtype="int8")
+        runner, counts = engine.runner, collections.Counter()
+        for name in ("prefill", "decode", "mixed"):
+            def counted(*batches, _run=getattr(runner, name), _name=name):
+                counts[_name] += 1
+                if _name == "mixed":
+                    counts["mixed_with_both"] += len(batches[1].requests) > 0 and len(batches[0].requests) > 0
+                return _run(*batches)
+            setattr(runner, name, counted)
+        ids = [engine.add(*r, adapter=a) for r, a in zip(requests[:2], adapters)]
+        while engine.has_work() or len(ids) < len(requests):
+            if len(ids) < len(requests) and engine.has_work():
+                ids.append(engine.add(*requests[len(ids)], adapter=adapters[len(ids)]))
+            engine.step()
+        results = [engine.result(i) for i in ids]
+        passes[mixed] = counts
+        if mixed:
+            assert counts["prefill"] == 0 and counts["mixed_with_both"] >= 3, counts
+            mixed_results = results
+        else:
+            assert counts["mixed"] == 0, counts
+            for got, want in zip(mixed_results, results):
+                assert got.tokens == want.tokens and got.stop_reason == want.stop_reason
+                np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    def total(c):
+        return c["prefill"] + c["decode"] + c["mixed"]
+
+    assert total(passes[True]) < total(passes[False]), passes
+    prompts, params = zip(*requests)
+    for got, want in zip(mixed_results, eqx_tx.generate(bank, prompts, params, adapters=adapters, cache_dtype="int8")):
+        assert got.tokens == want.tokens, got
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_set_model_samples_from_new_weights(checkpoints):
     """After `set_model` (e.g. a training step) the engine samples from the new weights,
     without reusing pages computed by the old ones; it refuses a busy engine or a model
@@ -215,10 +264,13 @@ def test_set_model_samples_from_new_weights(checkpoints):
 
 
 @pytest.mark.parametrize("adapters", [None, 3])
-def test_compiled_engine_steps_read_the_weights_the_pool_and_little_else(adapters):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_compiled_engine_steps_read_the_weights_the_pool_and_little_else(adapters, mixed):
     """`eqx_tx.analysis.memory.compile_engine_step` (what `benchmark_memory.py --mode engine`
-    measures) compiles the engine's own prefill and decode steps, with and without a
-    LoRA bank: their arguments are the weights, the page pool and small per-row arrays."""
+    measures) compiles the engine's own steps (mixed or separate prefill, and decode),
+    with and without a LoRA bank: their arguments are the weights, the page pool and
+    small per-row arrays, and the pool is written in place, never copied (a mixed
+    step's two groups of rows write it in one scatter)."""
     from eqx_tx.analysis.memory import MemoryFigures, abstract_sharded_model, compile_engine_step, target_mesh
 
     config = eqx_tx.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -228,10 +280,16 @@ def test_compiled_engine_steps_read_the_weights_the_pool_and_little_else(adapter
                                    lora_adapters=adapters)
     params = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(model))
     S, pool_tokens = 8, 1024
-    engine = EngineConfig(max_seqs=S, max_tokens_in_cache=pool_tokens, max_seq_len=256, prefill_chunk=64)
+    engine = EngineConfig(max_seqs=S, max_tokens_in_cache=pool_tokens, max_seq_len=256, prefill_chunk=64,
+                          mixed_steps=mixed)
     compiled = compile_engine_step(model, mesh, engine, compute=eqx_tx.ComputeConfig())
+    assert set(compiled) == {"mixed" if mixed else "prefill", "decode"}
     pool = 2 * 2 * pool_tokens * 2 * 32 * 2  # k+v, layers, tokens, kv heads, head_dim, bf16 bytes
     logits = S * config.vocab_size * 4
+    pool_shape = "[2,64,16,2,32]"  # layers, pages, page size, kv heads, head_dim (any dtype)
     for name, step in compiled.items():
         extra = MemoryFigures.of(step).argument - params - pool
         assert logits <= extra <= logits + 32 * 1024, (name, extra)
+        text = step.as_text()
+        assert pool_shape in text and not [line for line in text.splitlines() if pool_shape in line
+                                           and " copy(" in line], name

@@ -23,7 +23,7 @@ def _names(package: str, *modules: str) -> tuple[str, ...]:
 # Levels, lowest first; each level maps a subsystem to its modules.
 SUBSYSTEMS: list[dict[str, tuple[str, ...]]] = [
     {"core": _names("eqx_tx.core", "log", "util", "fileio", "tree", "compute", "sharding", "distributed", "flops", "runlog",
-                    "hlo", "memory_figures")},
+                    "ragged", "hlo", "memory_figures")},
     {"kernels": _names("eqx_tx.kernels", "mask", "quantized", "flash", "ring", "splash", "sdpa", "shared_prefix",
                        "paged", "decode_tpu", "dispatch", "grouped_ffn", "topk")},
     {"cache": _names("eqx_tx.cache", "storage", "base", "dense", "shared_prefix", "paged", "allocate")},

@@ -36,6 +36,10 @@ def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda reque
         if not sched.has_work():
             return events, prefilled
         plan = sched.schedule()
+        assert plan.mixed == (sched.mixed and plan.prefill is not None)
+        if plan.mixed:
+            assert plan.decode is not None and plan.prefill is not None and len(plan.decode.rows) == sched.max_seqs
+            assert not {r.id for r in plan.decode.requests} & {r.id for r in plan.prefill.requests}
         if plan.prefill is not None:
             b = plan.prefill
             P, C = b.tokens.shape
@@ -63,8 +67,9 @@ def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda reque
     raise AssertionError("the scheduler did not finish")
 
 
-def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all():
-    sched = _scheduler()
+@pytest.mark.parametrize("mixed", [False, True])
+def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all(mixed):
+    sched = _scheduler(mixed=mixed)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 50, int(rng.integers(1, 14))).tolist() for _ in range(7)]
     wanted = [int(rng.integers(1, 12)) for _ in prompts]
@@ -78,9 +83,10 @@ def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all():
     assert sched.stats()["pages_in_use"] == 0
 
 
-def test_the_newest_request_is_preempted_and_resumes_where_it_stopped():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_newest_request_is_preempted_and_resumes_where_it_stopped(mixed):
     # Two slots, 6 pages: two requests that each grow to 4 pages cannot both finish at once.
-    sched = _scheduler(max_seqs=2, num_pages=6, pages_per_seq=4)
+    sched = _scheduler(max_seqs=2, num_pages=6, pages_per_seq=4, mixed=mixed)
     a = sched.add([1] * 3, SamplingParams(max_new_tokens=12), sample=0, adapter=None, stop=())
     b = sched.add([2] * 3, SamplingParams(max_new_tokens=12), sample=0, adapter=None, stop=())
     events, _ = _run(sched)
@@ -90,8 +96,9 @@ def test_the_newest_request_is_preempted_and_resumes_where_it_stopped():
         assert len(events[i]) == 12
 
 
-def test_a_stop_token_ends_a_request_and_a_shared_prefix_is_computed_once():
-    sched = _scheduler(prefill_rows=1)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_stop_token_ends_a_request_and_a_shared_prefix_is_computed_once(mixed):
+    sched = _scheduler(prefill_rows=1, mixed=mixed)
     system = list(range(1, 13))  # three full pages
     first = sched.add(system + [20], SamplingParams(max_new_tokens=9), sample=0, adapter=None, stop=(8,))
     pool = np.full((sched.num_pages + 1, PAGE), -1)
@@ -120,16 +127,18 @@ def test_cancel_frees_a_running_request_and_a_pool_too_small_is_refused():
         sched.add([1] * 40, SamplingParams(max_new_tokens=20), sample=0, adapter=None, stop=())
 
 
-def test_step_shapes_cover_every_planned_shape():
-    sched = _scheduler(max_seqs=5, prefill_chunk=32, prefill_rows=4, num_pages=64, pages_per_seq=16)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_step_shapes_cover_every_planned_shape(mixed):
+    sched = _scheduler(max_seqs=5, prefill_chunk=32, prefill_rows=4, num_pages=64, pages_per_seq=16, mixed=mixed)
     prefill_shapes, decode_rows = sched.step_shapes()
     rng = np.random.default_rng(1)
     for _ in range(9):
         sched.add(rng.integers(0, 50, int(rng.integers(1, 40))).tolist(),
                   SamplingParams(max_new_tokens=int(rng.integers(1, 20))), sample=0, adapter=None, stop=())
-    seen_prefill, seen_decode = set(), set()
+    seen_prefill, seen_decode, mixed_plans = set(), set(), 0
     while sched.has_work():
         plan = sched.schedule()
+        mixed_plans += plan.mixed
         if plan.prefill is not None:
             seen_prefill.add((plan.prefill.tokens.shape[1], plan.prefill.tokens.shape[0]))
         if plan.decode is not None:
@@ -137,6 +146,7 @@ def test_step_shapes_cover_every_planned_shape():
             sched.finish_step(plan.decode, np.full(len(plan.decode.rows), 7), np.zeros(len(plan.decode.rows)))
     assert seen_prefill <= set(prefill_shapes) and seen_decode <= set(decode_rows)
     assert len(seen_prefill) > 1 and len(seen_decode) > 1
+    assert (mixed_plans > 0) == mixed
 
 
 def test_scoring_batches_compute_few_alternative_counts():
@@ -156,3 +166,22 @@ def test_scoring_batches_compute_few_alternative_counts():
     scores = (np.zeros((P, C), np.float32), np.zeros((P, C, 3), np.int32), np.zeros((P, C, 3), np.float32))
     sched.finish_prefill(plan.prefill, scores)
     assert [next(iter(r.scores.values()))[1].shape for r in plan.prefill.requests] == [(1,), (3,), (0,)]
+
+
+def test_a_mixed_step_decodes_the_requests_running_before_it():
+    """Mixed: a context whose prefill ends in a step samples its first token the step
+    after, beside the next context's prefill; separate passes sample it in the same step."""
+    for mixed, first_tokens in ((False, [0, 1]), (True, [1, 2])):
+        sched = _scheduler(prefill_rows=1, mixed=mixed)
+        a = sched.add([1] * 5, SamplingParams(max_new_tokens=4), sample=0, adapter=None, stop=())
+        b = sched.add([2] * 5, SamplingParams(max_new_tokens=4), sample=0, adapter=None, stop=())
+        steps = []
+        for _ in range(3):
+            plan = sched.schedule()
+            steps.append(plan)
+            if plan.decode is not None:
+                rows = len(plan.decode.rows)
+                sched.finish_step(plan.decode, np.full(rows, 7), np.zeros(rows))
+        decoded = [[r.id for r in p.decode.requests] if p.decode else [] for p in steps]
+        assert [min(i for i, ids in enumerate(decoded) if r in ids) for r in (a, b)] == first_tokens, decoded
+        assert [p.mixed for p in steps] == ([False] * 3 if not mixed else [True, True, False])

@@ -27,7 +27,7 @@ from ..core.util import ceil_div, round_up
 from ..infer.config import EngineConfig
 from ..infer.generation import DecodeState, decode, prefill
 from ..infer.sampling import SamplerArrays, SamplingParams
-from ..infer.steps import paged_decode_step, paged_prefill_chunk
+from ..infer.steps import paged_decode_step, paged_mixed_step, paged_prefill_chunk
 from ..io.loading import abstract_model
 from ..layers.lora import ALL_TARGETS, ATTENTION_TARGETS, apply_lora, has_bank, trainable_filter
 from ..models.config import TransformerConfig
@@ -203,11 +203,12 @@ def compile_sampling(
 
 
 def compile_engine_step(model, mesh, engine: EngineConfig, *, compute: ComputeConfig):
-    """Compile `eqx_tx.Engine`'s two steps with every slot running, for the engine
-    `engine` describes: a prefill chunk of `prefill_rows` requests and a decode step of
-    `max_seqs` sequences of up to `max_seq_len` tokens (default: the pool) over a page
-    pool of `max_tokens_in_cache` tokens (`kv_cache_dtype` "auto": bf16). Returns
-    `{"prefill": compiled, "decode": compiled}`."""
+    """Compile `eqx_tx.Engine`'s steps with every slot running, for the engine `engine`
+    describes: a prefill chunk of `prefill_rows` requests (beside `max_seqs` decode
+    rows in one pass, with `mixed_steps`) and a decode step of `max_seqs` sequences of
+    up to `max_seq_len` tokens (default: the pool) over a page pool of
+    `max_tokens_in_cache` tokens (`kv_cache_dtype` "auto": bf16). Returns
+    `{"mixed" or "prefill": compiled, "decode": compiled}`."""
     max_seqs, page_size, prefill_rows, prefill_chunk = (engine.max_seqs, engine.page_size, engine.prefill_rows,
                                                         engine.prefill_chunk)
     max_seq_len = engine.max_seq_len or engine.num_pages * page_size
@@ -224,9 +225,13 @@ def compile_engine_step(model, mesh, engine: EngineConfig, *, compute: ComputeCo
     bank = has_bank(model)  # each row's adapter, as the engine passes it
     with jax.set_mesh(mesh):
         prows = _sds((prefill_rows,), jnp.int32, mesh)
-        pre = paged_prefill_chunk.lower(model, cache, logits, prows, _sds((prefill_rows, pages_per_seq), jnp.int32, mesh),
-                                   _sds((prefill_rows, prefill_chunk), jnp.int32, mesh), prows, prows,
-                                   prows if bank else None, compute=compute)
-        dec = paged_decode_step.lower(model, cache, logits, rows, table, rows, rows, rows if bank else None, sampler,
-                                 compute=compute)
+        prefill = (prows, _sds((prefill_rows, pages_per_seq), jnp.int32, mesh),
+                   _sds((prefill_rows, prefill_chunk), jnp.int32, mesh), prows, prows)
+        decode = (rows, table, rows, rows)
+        dec = paged_decode_step.lower(model, cache, logits, *decode, rows if bank else None, sampler, compute=compute)
+        if engine.mixed_steps:
+            both = _sds((prefill_rows + max_seqs,), jnp.int32, mesh) if bank else None
+            mixed = paged_mixed_step.lower(model, cache, logits, prefill, decode, both, sampler, compute=compute)
+            return {"mixed": mixed.compile(), "decode": dec.compile()}
+        pre = paged_prefill_chunk.lower(model, cache, logits, *prefill, prows if bank else None, compute=compute)
         return {"prefill": pre.compile(), "decode": dec.compile()}

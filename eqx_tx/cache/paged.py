@@ -10,7 +10,11 @@ by the sequence's length. Pages are handed out and taken back by the host
 (`eqx_tx.infer.engine`), so sequences of any length share one fixed-size pool.
 
 Attention (`eqx_tx.kernels.paged`) walks each sequence's pages block by block up to
-the longest sequence's length, gathering them straight from the pool.
+the longest sequence's length, gathering them straight from the pool; one query per
+sequence runs on the TPU decode kernel (`eqx_tx.kernels.decode_tpu`). A call whose
+tokens are groups of rows laid out as one row (`eqx_tx.core.ragged`: the engine's
+prefill chunk and decode rows in one step) names its `groups`: each group attends
+on its own, through its rows of the page table.
 """
 
 from typing import final
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
+from ..core.ragged import RowGroups, join_tokens, split_rows, split_tokens
 from ..core.sharding import AnyMesh, HasAxes
 from ..kernels.decode_tpu import decode_attention_blocks, kernel_options
 from ..kernels.dispatch import CacheKind, select_attention
@@ -44,13 +49,15 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
     k_scale: Float[Array, "layers pages kv_heads page_size"] | None
     v_scale: Float[Array, "layers pages kv_heads page_size"] | None
     page_table: Int[Array, "batch pages_per_seq"]
+    groups: RowGroups | None = eqx.field(static=True)
 
-    def __init__(self, k, v, k_scale, v_scale, page_table):
+    def __init__(self, k, v, k_scale, v_scale, page_table, groups: RowGroups | None = None):
         self.k = k
         self.v = v
         self.k_scale = k_scale
         self.v_scale = v_scale
         self.page_table = page_table
+        self.groups = groups
 
     @classmethod
     def zeros(
@@ -77,9 +84,14 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
     def page_size(self) -> int:
         return self.k.shape[2]
 
-    def with_table(self, page_table: Int[Array, "batch pages_per_seq"]) -> "PagedKVCache":
-        """The same pool read and written through another page table (other sequences)."""
-        return eqx.tree_at(lambda c: c.page_table, self, page_table)
+    def with_table(self, page_table: Int[Array, "batch pages_per_seq"],
+                   groups: RowGroups | None = None) -> "PagedKVCache":
+        """The same pool read and written through another page table (other sequences).
+        `groups`: the next call's tokens are these groups of rows laid out as one row
+        (`eqx_tx.core.ragged`; the table has a row per row of all groups)."""
+        if groups is not None and page_table.shape[0] != sum(rows for rows, _ in groups):
+            raise ValueError(f"a page table of {page_table.shape[0]} rows for row groups {groups}")
+        return PagedKVCache(self.k, self.v, self.k_scale, self.v_scale, page_table, groups)
 
     def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
         """The whole key and value pools, for `eqx_tx.kernels.paged.paged_attention`
@@ -98,12 +110,14 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         positions: Int[Array, "batch seq"],
     ) -> "PagedKVCache":
         """Store `k_new, v_new` of layer `index` at `positions` of each sequence
-        (positions outside its allocated pages: dropped)."""
-        slot = positions // self.page_size
-        inside = (positions >= 0) & (slot < self.page_table.shape[1])
-        page = jnp.take_along_axis(self.page_table, jnp.clip(slot, 0, self.page_table.shape[1] - 1), axis=1)
-        page = jnp.where(inside, page, self.num_pages)  # out of range: dropped
-        offset = positions % self.page_size
+        (positions outside its allocated pages: dropped). With `groups`, every group's
+        tokens in one scatter."""
+        if self.groups is None:
+            page, offset = _slots(self.page_table, positions, self.page_size, self.num_pages)
+        else:
+            slots = [_slots(table, pos, self.page_size, self.num_pages) for table, pos in
+                     zip(split_rows(self.page_table, self.groups), split_tokens(positions, self.groups))]
+            page, offset = join_tokens([p for p, _ in slots]), join_tokens([o for _, o in slots])
 
         def put(buf, x):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
@@ -115,16 +129,48 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
 
     def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                mesh: AnyMesh | None):
-        """Write into the sequences' pages, then attend over them (`paged_attention`)."""
-        choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
-                                  compute=compute, segmented=mask.segment_ids is not None, page_size=self.page_size)
+        """Write into the sequences' pages, then attend over them (`paged_attention`, or
+        the decode kernel). With `groups`, every group's keys/values are written first
+        (one scatter: the pool is updated in place, never copied), then each group
+        attends on its own (its rows of the table, of `mask.kv_lengths` and of
+        `mask.q_offset`)."""
         assert mask.kv_lengths is not None
         with jax.named_scope("cache_write"):
             cache = self.write(layer, k, v, positions)
+        if self.groups is None:
+            return cache._read(q, k.shape, layer=layer, positions=positions, mask=mask, compute=compute,
+                               mesh=mesh), cache
+        groups, outs = self.groups, []
+        assert not isinstance(mask.q_offset, int)
+        for q_g, k_g, pos_g, table, lengths, offset in zip(
+                split_tokens(q, groups), split_tokens(k, groups), split_tokens(positions, groups),
+                split_rows(self.page_table, groups), split_rows(mask.kv_lengths, groups),
+                split_rows(mask.q_offset, groups)):
+            outs.append(cache.with_table(table)._read(q_g, k_g.shape, layer=layer, positions=pos_g,
+                                                      mask=AttentionMask(kv_lengths=lengths, q_offset=offset),
+                                                      compute=compute, mesh=mesh))
+        return join_tokens(outs), cache
+
+    def _read(self, q, k_shape, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
+              mesh: AnyMesh | None):
+        """Attention of `q` over the sequences' pages (written already), by the kernel
+        `select_attention` picks for these shapes."""
+        choice = select_attention(q.shape, k_shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
+                                  compute=compute, segmented=mask.segment_ids is not None, page_size=self.page_size)
+        assert mask.kv_lengths is not None
         if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
-            o = decode_attention_blocks(q[:, 0], cache.k, cache.v, layer, cache.page_table, lengths,
-                                        scales=cache.scales,
-                                        **kernel_options(compute, quantized=cache.scales is not None))
-            return o[:, None], cache
-        return paged_attention(q, *cache.pools(), layer, cache.page_table, mask.kv_lengths, positions), cache
+            o = decode_attention_blocks(q[:, 0], self.k, self.v, layer, self.page_table, lengths, scales=self.scales,
+                                        **kernel_options(compute, quantized=self.scales is not None))
+            return o[:, None]
+        return paged_attention(q, *self.pools(), layer, self.page_table, mask.kv_lengths, positions)
+
+
+def _slots(table: Int[Array, "batch pages_per_seq"], positions: Int[Array, "batch seq"], page_size: int,
+           num_pages: int) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
+    """The page and offset of each position through `table` (outside the table: page
+    `num_pages`, whose writes are dropped)."""
+    slot = positions // page_size
+    inside = (positions >= 0) & (slot < table.shape[1])
+    page = jnp.take_along_axis(table, jnp.clip(slot, 0, table.shape[1] - 1), axis=1)
+    return jnp.where(inside, page, num_pages), positions % page_size

@@ -26,6 +26,13 @@ class EngineConfig:
     model's position limit if smaller)."""
     kv_cache_dtype: CacheDtype = "auto"
     """The page pool's dtype (auto: the model's; int8: int8 with a float32 scale per token and kv head)."""
+    mixed_steps: bool = False
+    """Run a step's prefill chunk and decode rows in one pass through the model, so the
+    weights are read once (the decode rows padded to `max_seqs` in such steps; a
+    context's first token is sampled the step after its prefill ends). False: a
+    prefill pass, then a decode pass that samples it in the same step (the default
+    until an accelerator has measured both: on CPU, where a step does not wait on
+    its weights, separate passes are faster; `benchmarks/benchmark_engine.py`)."""
     max_top_logprobs: int = 0
     """Each generated token also reports this many most likely alternatives and their
     log-probs (0: none; a top-k over the vocabulary in every decode step)."""

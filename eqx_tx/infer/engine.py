@@ -6,7 +6,9 @@
 (`eqx_tx.cache.paged`). It is two parts: a `Scheduler` (`eqx_tx.infer.scheduler`)
 that admits, preempts and plans each step on the host, and a `Runner`
 (`eqx_tx.infer.runner`) that executes the plan's prefill chunk and decode step on
-the device. Each `step()` plans, runs, and records the sampled tokens.
+the device, one after the other or in one pass through the model
+(`EngineConfig.mixed_steps`). Each `step()` plans, runs, and records the sampled
+tokens.
 
 A finished request's slot and pages go to the next waiting request at once (its
 full pages stay cached until the space is needed). With a LoRA adapter bank
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.compute import ComputeConfig
+from ..core.log import log_once
 from ..core.util import ceil_div
 from ..layers.lora import check_adapter_ids, has_bank, set_adapter_slot
 from ..models import CausalLM
@@ -69,6 +72,10 @@ class Engine:
             cache_dtype = model.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         self._bank = has_bank(model)
         self._pages_per_seq, self._cache_dtype = pages_per_seq, cache_dtype
+        self._mixed = config.mixed_steps and not mc.rope.depends_on_length
+        if config.mixed_steps and not self._mixed:
+            log_once("engine: a prefill pass, then a decode pass per step (not mixed_steps: this model's RoPE "
+                     "scaling depends on the longest sequence of a call)")
         self.reset()
 
     def reset(self) -> None:
@@ -79,7 +86,7 @@ class Engine:
         self.scheduler = Scheduler(max_seqs=config.max_seqs, num_pages=self.num_pages, page_size=config.page_size,
                                    pages_per_seq=self._pages_per_seq, prefill_chunk=config.prefill_chunk,
                                    prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id,
-                                   score_top_k=config.max_top_logprobs)
+                                   score_top_k=config.max_top_logprobs, mixed=self._mixed)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)
@@ -175,7 +182,7 @@ class Engine:
         score_last_n=...)`), with no alternatives and with up to `max_top_logprobs`.
         `progress(done, total)` is called after each shape."""
         self.runner.warmup(*self.scheduler.step_shapes(), bank=self._bank, progress=progress,
-                           score_top_ks=self.scheduler.score_top_ks() if scoring else ())
+                           score_top_ks=self.scheduler.score_top_ks() if scoring else (), mixed=self.scheduler.mixed)
 
     @property
     def pages_in_use(self) -> int:
@@ -193,6 +200,11 @@ class Engine:
 
         **Returns:** the new tokens, one event per running request."""
         plan = self.scheduler.schedule()
+        if plan.mixed:
+            assert plan.prefill is not None and plan.decode is not None
+            scores, (tokens, logprobs, top) = self.runner.mixed(plan.prefill, plan.decode)
+            self.scheduler.finish_prefill(plan.prefill, scores)
+            return self.scheduler.finish_step(plan.decode, tokens, logprobs, top)
         if plan.prefill is not None:
             self.scheduler.finish_prefill(plan.prefill, self.runner.prefill(plan.prefill))
         if plan.decode is None:

@@ -14,7 +14,10 @@ from ..core.sharding import commit, current_mesh, mesh_context
 from ..models import CausalLM
 from .sampling import SamplerArrays, SamplingParams
 from .scheduler import DecodeBatch, PrefillBatch
-from .steps import paged_decode_step, paged_prefill_chunk, zero_logits
+from .steps import paged_decode_step, paged_mixed_step, paged_prefill_chunk, zero_logits
+
+Scores = tuple[np.ndarray, np.ndarray, np.ndarray]
+Sampled = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]
 
 
 class Runner:
@@ -36,67 +39,83 @@ class Runner:
             self.cache, self.logits = commit((cache, zero_logits(max_seqs, model.config.vocab_size)))
         self._sampler: tuple[tuple, SamplerArrays] | None = None  # (running ids, rows) -> their sampler
 
-    def prefill(self, batch: PrefillBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def prefill(self, batch: PrefillBatch) -> Scores | None:
         """Write one chunk of each planned context into the pool; a context that ends in
         it sets its slot's next-token logits. Returns the scores of the positions
         `batch.targets` names (host arrays, `[P, C]`, `[P, C, top_k]` twice), or `None`."""
         with mesh_context(self.model):
             self.cache, self.logits, scores = paged_prefill_chunk(
-                self.model, self.cache, self.logits, jnp.asarray(batch.rows), jnp.asarray(batch.table),
-                jnp.asarray(batch.tokens), jnp.asarray(batch.start), jnp.asarray(batch.length),
-                _maybe(batch.adapters), _maybe(batch.targets), compute=self.compute, top_k=batch.top_k,
+                self.model, self.cache, self.logits, *_prefill_arrays(batch), _maybe(batch.adapters),
+                _maybe(batch.targets), compute=self.compute, top_k=batch.top_k,
             )
-        if scores is None:
-            return None
-        logp, top_ids, top_logp = scores
-        return to_host(logp), to_host(top_ids), to_host(top_logp)
+        return _scores(scores)
 
-    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    def decode(self, batch: DecodeBatch) -> Sampled:
         """Sample one token for every planned row and feed it. Returns the tokens and
         their log-probs (host arrays, one per row), and the most likely alternatives'
         ids and log-probs (`[rows, top_logprobs]` each; `None` without)."""
-        params = [r.params for r in batch.requests]
-        samples = [r.sample for r in batch.requests]
         with mesh_context(self.model):
-            self.cache, self.logits, token, logp, top_ids, top_logp = paged_decode_step(
-                self.model, self.cache, self.logits, jnp.asarray(batch.rows), jnp.asarray(batch.table),
-                jnp.asarray(batch.positions), jnp.asarray(batch.generated), _maybe(batch.adapters),
-                self._sampler_arrays(batch.sampler_key, params, samples, len(batch.rows)), compute=self.compute,
-                top_logprobs=self.top_logprobs,
+            self.cache, self.logits, *sampled = paged_decode_step(
+                self.model, self.cache, self.logits, *_decode_arrays(batch), _maybe(batch.adapters),
+                self._sampler_for(batch), compute=self.compute, top_logprobs=self.top_logprobs,
             )
-        top = None if top_ids is None or top_logp is None else (to_host(top_ids), to_host(top_logp))
-        return to_host(token), to_host(logp), top
+        return _sampled(*sampled)
+
+    def mixed(self, prefill: PrefillBatch, decode: DecodeBatch) -> tuple[Scores | None, Sampled]:
+        """`prefill` and `decode` in one pass through the model (`paged_mixed_step`);
+        returns what `prefill` and `decode` return."""
+        adapters = None if prefill.adapters is None or decode.adapters is None else \
+            np.concatenate([prefill.adapters, decode.adapters])
+        with mesh_context(self.model):
+            self.cache, self.logits, *sampled, scores = paged_mixed_step(
+                self.model, self.cache, self.logits, _prefill_arrays(prefill), _decode_arrays(decode),
+                _maybe(adapters), self._sampler_for(decode), _maybe(prefill.targets), compute=self.compute,
+                top_k=prefill.top_k, top_logprobs=self.top_logprobs,
+            )
+        return _scores(scores), _sampled(*sampled)
 
     def warmup(self, prefill_shapes: list[tuple[int, int]], decode_rows: list[int], bank: bool,
-               progress: Callable[[int, int], object] | None = None, score_top_ks: Sequence[int] = ()) -> None:
+               progress: Callable[[int, int], object] | None = None, score_top_ks: Sequence[int] = (),
+               mixed: bool = False) -> None:
         """Compile every `(chunk, rows)` prefill (and, for each of `score_top_ks`, that
-        prefill scoring its positions with that many alternatives) and every decode row
-        count now, on inputs whose writes are dropped (out-of-range slots, unallocated
-        pages). `progress(done, total)` is called after each shape."""
+        prefill scoring its positions with that many alternatives; with `mixed`, each in
+        one pass with `max_seqs` decode rows) and every decode row count now, on inputs
+        whose writes are dropped (out-of-range slots, unallocated pages).
+        `progress(done, total)` is called after each shape."""
         unallocated = np.full((1, self.pages_per_seq), self.num_pages, np.int32)
         adapters = (lambda n: np.zeros((n,), np.int32)) if bank else (lambda n: None)
+
+        def decode_batch(R):
+            return DecodeBatch((), np.full((R,), self.max_seqs, np.int32), np.repeat(unallocated, R, axis=0),
+                               np.zeros((R,), np.int32), np.zeros((R,), np.int32), adapters(R))
+
         prefills = [(C, P, None) for C, P in prefill_shapes] + [(C, P, k) for k in score_top_ks
                                                                    for C, P in prefill_shapes]
         total, done = len(prefills) + len(decode_rows), 0
         for C, P, k in prefills:
-            self.prefill(PrefillBatch(np.full((P,), self.max_seqs, np.int32), np.repeat(unallocated, P, axis=0),
-                                      np.zeros((P, C), np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
-                                      adapters(P), targets=None if k is None else np.full((P, C), -1, np.int32),
-                                      top_k=k or 0))
+            batch = PrefillBatch(np.full((P,), self.max_seqs, np.int32), np.repeat(unallocated, P, axis=0),
+                                 np.zeros((P, C), np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
+                                 adapters(P), targets=None if k is None else np.full((P, C), -1, np.int32),
+                                 top_k=k or 0)
+            if mixed:
+                self.mixed(batch, decode_batch(self.max_seqs))
+            else:
+                self.prefill(batch)
             done += 1
             if progress is not None:
                 progress(done, total)
         for R in decode_rows:
-            self.decode(DecodeBatch((), np.full((R,), self.max_seqs, np.int32), np.repeat(unallocated, R, axis=0),
-                                    np.zeros((R,), np.int32), np.zeros((R,), np.int32), adapters(R)))
+            self.decode(decode_batch(R))
             done += 1
             if progress is not None:
                 progress(done, total)
 
-    def _sampler_arrays(self, key: tuple, params: list[SamplingParams], samples: list[int], rows: int) -> SamplerArrays:
+    def _sampler_for(self, batch: DecodeBatch) -> SamplerArrays:
+        """The sampler of `batch`'s rows (kept while the same requests run in the same rows)."""
+        key, rows = batch.sampler_key, len(batch.rows)
         if self._sampler is None or self._sampler[0] != key:
-            params = params + [SamplingParams()] * (rows - len(params))
-            samples = samples + [0] * (rows - len(samples))
+            params = [r.params for r in batch.requests] + [SamplingParams()] * (rows - len(batch.requests))
+            samples = [r.sample for r in batch.requests] + [0] * (rows - len(batch.requests))
             # Stops are checked on the host (the scheduler): no stop ids on the device (one shape for all).
             params = [dataclasses.replace(p, stop_token_ids=()) for p in params]
             self._sampler = key, SamplerArrays.from_params(params, (), self.model.config.vocab_size, samples)
@@ -105,3 +124,20 @@ class Runner:
 
 def _maybe(x: np.ndarray | None):
     return None if x is None else jnp.asarray(x)
+
+
+def _prefill_arrays(batch: PrefillBatch) -> tuple:
+    return tuple(jnp.asarray(x) for x in (batch.rows, batch.table, batch.tokens, batch.start, batch.length))
+
+
+def _decode_arrays(batch: DecodeBatch) -> tuple:
+    return tuple(jnp.asarray(x) for x in (batch.rows, batch.table, batch.positions, batch.generated))
+
+
+def _scores(scores) -> Scores | None:
+    return None if scores is None else tuple(to_host(x) for x in scores)  # type: ignore[return-value]
+
+
+def _sampled(token, logp, top_ids, top_logp) -> Sampled:
+    top = None if top_ids is None or top_logp is None else (to_host(top_ids), to_host(top_logp))
+    return to_host(token), to_host(logp), top

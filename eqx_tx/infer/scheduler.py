@@ -16,6 +16,13 @@ so it is tested on its own. Each `schedule()`:
    out of the prefill chunks that compute them);
 3. plans one decode step for every running request, handing out pages as they fill.
 
+With `mixed` (`EngineConfig.mixed_steps`), the decode step is planned first, for the
+requests running before this step, and a step with a prefill chunk runs both in one
+pass through the model (`eqx_tx.infer.steps.paged_mixed_step`): its decode rows are
+padded to `max_seqs` (one compiled shape per prefill shape), and a context whose
+prefill ends in it samples its first token the step after. Without, the prefill runs
+first and a context it completes decodes in the same step.
+
 It returns a `StepPlan` of padded numpy arrays (a few power-of-two shapes, so little
 compiles) that a runner executes (`eqx_tx.infer.runner`); `finish_step` then takes
 the sampled tokens and returns one `TokenEvent` per running request.
@@ -121,10 +128,12 @@ class DecodeBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What one engine step runs: a prefill chunk, then a decode step (either may be absent)."""
+    """What one engine step runs: a prefill chunk, then a decode step (either may be
+    absent), or with `mixed` both in one pass (then both are present)."""
 
     prefill: PrefillBatch | None
     decode: DecodeBatch | None
+    mixed: bool = False
 
 
 class Scheduler:
@@ -134,12 +143,13 @@ class Scheduler:
     tokens; requests of up to `pages_per_seq` pages; `prefill_chunk` and
     `prefill_rows` as in `EngineConfig`; `bank`: requests name an adapter of a LoRA
     bank (padding rows get adapter 0); `first_id`: the first request's id (a scheduler
-    that replaces another goes on from its ids: a late cancel never hits a new request).
+    that replaces another goes on from its ids: a late cancel never hits a new request);
+    `mixed`: plan a step's prefill chunk and decode rows to run in one pass (module docstring).
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int, prefill_chunk: int,
-                 prefill_rows: int, bank: bool = False, first_id: int = 0, score_top_k: int = 0):
-        self.max_seqs, self.num_pages, self.page_size = max_seqs, num_pages, page_size
+                 prefill_rows: int, bank: bool = False, first_id: int = 0, score_top_k: int = 0, mixed: bool = False):
+        self.max_seqs, self.num_pages, self.page_size, self.mixed = max_seqs, num_pages, page_size, mixed
         self.score_top_k = score_top_k
         self.prefill_chunk, self.prefill_rows, self.bank = prefill_chunk, prefill_rows, bank
         self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
@@ -226,7 +236,8 @@ class Scheduler:
 
     def step_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Every `(chunk, rows)` a prefill batch and every row count a decode batch can
-        have (for compiling them ahead: `Engine.warmup`)."""
+        have (for compiling them ahead: `Engine.warmup`; with `mixed`, a prefill batch
+        runs beside `max_seqs` decode rows)."""
         sizes = {min(self.prefill_chunk, 16 << i) for i in range(max(self.prefill_chunk, 16).bit_length())}
         prefill_rows = {1 << i for i in range(self.prefill_rows.bit_length())}
         rows = {min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)}
@@ -237,7 +248,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Admit, plan one prefill chunk and one decode step (module docstring)."""
         self._admit()
-        return StepPlan(self._plan_prefill(), self._plan_decode())
+        if not self.mixed:
+            return StepPlan(self._plan_prefill(), self._plan_decode())
+        decode = self._plan_decode()  # the requests running before this step (their logits exist)
+        prefill = self._plan_prefill()
+        if prefill is None:
+            return StepPlan(None, decode)
+        return StepPlan(prefill, self._decode_batch(decode.requests if decode else [], self.max_seqs), mixed=True)
 
     def finish_prefill(self, batch: PrefillBatch, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
         """Record the scores a prefill chunk computed (`[P, C]`, `[P, C, k]` twice; see
@@ -393,7 +410,10 @@ class Scheduler:
         if not running:
             return None
         # The running slots, padded to a power of two: a few compiled shapes, no work for idle slots.
-        R = min(self.max_seqs, 1 << (len(running) - 1).bit_length())
+        return self._decode_batch(running, min(self.max_seqs, 1 << (len(running) - 1).bit_length()))
+
+    def _decode_batch(self, running: Sequence[Request], R: int) -> DecodeBatch:
+        """A decode step of `running` (pages in hand), padded to `R` rows."""
         rows = np.full((R,), self.max_seqs, np.int32)
         table = np.full((R, self.table.shape[1]), self.num_pages, np.int32)
         positions = np.zeros((R,), np.int32)

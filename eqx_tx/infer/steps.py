@@ -5,7 +5,8 @@ against and returns.
 - `last_token_logits`, `decode_one`: the LM head on one hidden vector per sequence,
   and one decoded token per sequence through the model and its cache.
 - `paged_prefill_chunk`, `paged_decode_step`: the engine's two jitted steps over a
-  page pool (`eqx_tx.cache.paged`), each on the rows a scheduler planned.
+  page pool (`eqx_tx.cache.paged`), each on the rows a scheduler planned, and
+  `paged_mixed_step`, both in one pass through the model.
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ import numpy as np
 from ..cache.base import AbstractCache
 from ..cache.paged import PagedKVCache
 from ..core.compute import ComputeConfig
+from ..core.ragged import join_tokens, split_tokens
 from ..core.sharding import constrain
 from ..kernels.mask import AttentionMask
 from ..layers.lora import select_adapters
@@ -113,15 +115,8 @@ def paged_prefill_chunk(model: CausalLM, cache: PagedKVCache, logits, rows, tabl
     mask = AttentionMask(kv_lengths=length, q_offset=start)
     out = model.hidden_states(tokens, positions=positions, mask=mask, compute=compute, cache=cache.with_table(table))
     assert isinstance(out.cache, PagedKVCache)
-    last = jnp.take_along_axis(out.hidden, jnp.clip(length - 1 - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
-    logits = logits.at[rows].set(last_token_logits(model, last), mode="drop")
-    scores = None
-    if targets is not None:
-        P = tokens.shape[0]
-        logp, top_ids, top_logp = score_hidden(model, out.hidden.reshape(P * C, -1), jnp.maximum(targets, 0).reshape(-1),
-                                               top_k=top_k, chunk=min(P * C, SCORE_CHUNK))
-        scores = logp.reshape(P, C), top_ids.reshape(P, C, top_k), top_logp.reshape(P, C, top_k)
-    return out.cache.with_table(cache.page_table), logits, scores
+    logits = logits.at[rows].set(last_token_logits(model, _chunk_last(out.hidden, start, length)), mode="drop")
+    return out.cache.with_table(cache.page_table), logits, _chunk_scores(model, out.hidden, targets, top_k)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -141,12 +136,77 @@ def paged_decode_step(model: CausalLM, cache: PagedKVCache, logits, rows, table,
     all under the model's unmodified distribution."""
     if adapters is not None:
         model = select_adapters(model, adapters)
-    row_logits = jnp.take(logits, rows, axis=0, mode="clip")
-    token, logp = sample_batch(row_logits, sampler, generated)
-    top_ids = top_logp = None
-    if top_logprobs:
-        top_values, top_ids = jax.lax.top_k(row_logits, top_logprobs)
-        top_logp = top_values - jax.nn.logsumexp(row_logits, axis=-1, keepdims=True)
+    token, logp, top_ids, top_logp = _sample_rows(logits, rows, sampler, generated, top_logprobs)
     out, new = decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
     assert isinstance(out, PagedKVCache)
     return out.with_table(cache.page_table), logits.at[rows].set(new, mode="drop"), token, logp, top_ids, top_logp
+
+
+@functools.partial(jax.jit, static_argnames=("compute", "top_k", "top_logprobs"), donate_argnames=("cache", "logits"))
+def paged_mixed_step(model: CausalLM, cache: PagedKVCache, logits, prefill: tuple, decode: tuple, adapters,
+                     sampler: SamplerArrays, targets=None, *, compute: ComputeConfig, top_k: int = 0,
+                     top_logprobs: int = 0):
+    """`paged_prefill_chunk` and `paged_decode_step` in one pass through the model: the
+    prefill chunk's `P x C` tokens and the decode rows' `R` sampled tokens are laid out
+    as one row (`eqx_tx.core.ragged`), so the weights are read once; attention and
+    LoRA adapters run per group of rows. The decode rows sample from the logits as
+    they were before this step (a context whose prefill ends here samples next step).
+
+    **Arguments:** `prefill = (rows, table, tokens, start, length)` and `decode = (rows,
+    table, positions, generated)`, as the two steps take them; `adapters`: `[P + R]`
+    (prefill rows first; `None` without a bank); `sampler`, `targets`, `top_k` and
+    `top_logprobs` as the two steps.
+
+    **Returns:** the pool, the logits, the decode rows' tokens, log-probs and
+    alternatives (as `paged_decode_step`), and the prefill's scores (as
+    `paged_prefill_chunk`)."""
+    p_rows, p_table, tokens, start, length = prefill
+    d_rows, d_table, d_positions, generated = decode
+    (P, C), R = tokens.shape, d_rows.shape[0]
+    groups = ((P, C), (R, 1))
+    if adapters is not None:
+        model = select_adapters(model, adapters, groups=groups)
+    token, logp, top_ids, top_logp = _sample_rows(logits, d_rows, sampler, generated, top_logprobs)
+    p_positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+    ids = join_tokens([tokens, token[:, None]])
+    positions = join_tokens([p_positions, d_positions[:, None]])
+    mask = AttentionMask(kv_lengths=jnp.concatenate([length, d_positions + 1]),
+                         q_offset=jnp.concatenate([start, d_positions]))
+    table = jnp.concatenate([p_table, d_table])
+    out = model.hidden_states(ids, positions=positions, mask=mask, compute=compute,
+                              cache=cache.with_table(table, groups))
+    assert isinstance(out.cache, PagedKVCache)
+    p_hidden, d_hidden = split_tokens(out.hidden, groups)
+    new = last_token_logits(model, jnp.concatenate([_chunk_last(p_hidden, start, length), d_hidden[:, 0]]))
+    logits = logits.at[jnp.concatenate([p_rows, d_rows])].set(new, mode="drop")
+    scores = _chunk_scores(model, p_hidden, targets, top_k)
+    return out.cache.with_table(cache.page_table), logits, token, logp, top_ids, top_logp, scores
+
+
+def _sample_rows(logits, rows, sampler: SamplerArrays, generated, top_logprobs: int):
+    """Token `generated[i]` of slot `rows[i]` sampled from its logits, its log-prob, and
+    its `top_logprobs` most likely alternatives (`None` twice for 0)."""
+    row_logits = jnp.take(logits, rows, axis=0, mode="clip")
+    token, logp = sample_batch(row_logits, sampler, generated)
+    if not top_logprobs:
+        return token, logp, None, None
+    top_values, top_ids = jax.lax.top_k(row_logits, top_logprobs)
+    return token, logp, top_ids, top_values - jax.nn.logsumexp(row_logits, axis=-1, keepdims=True)
+
+
+def _chunk_last(hidden, start, length):
+    """`[P, D]`: each context's hidden vector at its last position, if it is in this
+    chunk of `C` positions from `start` (else clipped into the chunk; its logits are dropped)."""
+    C = hidden.shape[1]
+    return jnp.take_along_axis(hidden, jnp.clip(length - 1 - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
+
+
+def _chunk_scores(model: CausalLM, hidden, targets, top_k: int):
+    """Each position's log-prob of `targets [P, C]` and its `top_k` alternatives, through
+    the LM head in chunks of positions (`None` without targets)."""
+    if targets is None:
+        return None
+    P, C = targets.shape
+    logp, top_ids, top_logp = score_hidden(model, hidden.reshape(P * C, -1), jnp.maximum(targets, 0).reshape(-1),
+                                           top_k=top_k, chunk=min(P * C, SCORE_CHUNK))
+    return logp.reshape(P, C), top_ids.reshape(P, C, top_k), top_logp.reshape(P, C, top_k)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from ..core.ragged import RowGroups, join_tokens, split_rows, split_tokens
 from ..core.sharding import HasAxes
 from ..core.util import concrete_value
 from .linear import Linear
@@ -87,9 +88,12 @@ class LoRALinear(eqx.Module):
 
 
 class AdapterSelection(HasAxes):
-    """Which adapter of a `LoRABank` each row of the batch uses (set by `select_adapters`)."""
+    """Which adapter of a `LoRABank` each row of the batch uses (set by `select_adapters`);
+    `groups`: the rows are groups of rows laid out as one (`eqx_tx.core.ragged`), one
+    id per row of all groups."""
 
     ids: Int[Array, " batch"]
+    groups: RowGroups | None = eqx.field(static=True, default=None)
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"ids": ("batch",)}
@@ -132,14 +136,22 @@ class LoRABank(eqx.Module):
         if self.selection is None:
             raise ValueError(f"this model holds a bank of {self.adapters} LoRA adapters: choose one per sequence "
                              "with eqx_tx.select_adapters(model, ids)")
-        ids = self.selection.ids
+        ids, groups = self.selection.ids, self.selection.groups
+        if groups is None:
+            d = self._delta(x, ids)
+        else:
+            d = join_tokens([self._delta(x_g, ids_g) for x_g, ids_g in zip(split_tokens(x, groups),
+                                                                            split_rows(ids, groups))])
+        return y + (self.scaling * d).reshape(y.shape).astype(y.dtype)
+
+    def _delta(self, x: Float[Array, "batch seq ..."], ids: Int[Array, " batch"]) -> Float[Array, "batch seq out"]:
+        """`B[i] @ A[i] @ x` for row `b` of `x`, `i = ids[b]` (unscaled, flattened outputs)."""
         B, r = x.shape[0], self.lora_A.weight.shape[1]
         a = self.lora_A.weight[ids].reshape(B, r, -1)  # [batch, rank, in]
         b = self.lora_B.weight[ids].reshape(B, -1, r)  # [batch, out, rank]
         x_bti = x.astype(a.dtype).reshape(B, -1, a.shape[-1])
         h_btr = jnp.einsum("bti,bri->btr", x_bti, a)
-        d_bto = jnp.einsum("btr,bor->bto", h_btr, b)
-        return y + (self.scaling * d_bto).reshape(y.shape).astype(y.dtype)
+        return jnp.einsum("btr,bor->bto", h_btr, b)
 
 
 def slot_axis(linear: Linear) -> int:
@@ -322,7 +334,7 @@ def _banks(model) -> list[tuple[tuple[str, ...], LoRABank]]:
     return [(path, node) for path, node in _projections(model, ALL_TARGETS, experts=True) if isinstance(node, LoRABank)]
 
 
-def select_adapters(model, ids: Int[ArrayLike, " batch"]):
+def select_adapters(model, ids: Int[ArrayLike, " batch"], *, groups: RowGroups | None = None):
     """Choose the adapter of each sequence: row `b` of the next batch uses adapter
     `ids[b]` of every `LoRABank` in `model`.
 
@@ -330,6 +342,8 @@ def select_adapters(model, ids: Int[ArrayLike, " batch"]):
 
     - `model`: a model with adapter banks (`apply_lora(..., adapters=n)`).
     - `ids`: `[batch]` adapter indices in `[0, n)` (out-of-range ids are clamped).
+    - `groups`: the next call's tokens are these groups of rows laid out as one row
+      (`eqx_tx.core.ragged`); `ids` has one entry per row of all groups.
 
     **Returns:** the model, ready to run on a batch of `len(ids)` rows.
     """
@@ -340,7 +354,7 @@ def select_adapters(model, ids: Int[ArrayLike, " batch"]):
     selections = []
     for _, bank in banks:
         stacked = bank.lora_A.weight.shape[: slot_axis(bank.lora_A)]  # e.g. (layers,): scanned with the layer
-        selections.append(AdapterSelection(jnp.broadcast_to(ids, (*stacked, *ids.shape))))
+        selections.append(AdapterSelection(jnp.broadcast_to(ids, (*stacked, *ids.shape)), groups))
     return eqx.tree_at(lambda m: [_get(m, p).selection for p, _ in banks], model, selections,
                        is_leaf=lambda x: x is None)
 

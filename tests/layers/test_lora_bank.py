@@ -188,3 +188,32 @@ def test_bank_generate_equals_each_adapter_alone(checkpoints):
             np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
     with pytest.raises(ValueError, match="adapters must name each sequence"):
         eqx_tx.generate(bank, prompts, params)
+
+
+def test_bank_on_row_groups_laid_out_as_one_row_equals_each_group():
+    """A bank layer called on groups of rows laid out as one row (`eqx_tx.core.ragged`:
+    the engine's prefill chunk and decode rows in one pass) gives each row what its own
+    group's call gives, with its own adapter."""
+    from eqx_tx.core.ragged import join_tokens, split_tokens
+    from eqx_tx.layers.linear import Linear
+    from eqx_tx.layers.lora import AdapterSelection, LoRABank
+
+    base = Linear(16, (2, 8), axes=("heads", "head_dim", "embed"), key=jax.random.key(0))
+    layer = LoRABank(base, adapters=3, rank=4, alpha=8.0, key=jax.random.key(1))
+    b = jax.random.normal(jax.random.key(2), layer.lora_B.weight.shape)
+    layer = eqx.tree_at(lambda m: m.lora_B.weight, layer, b)
+    groups = ((2, 5), (3, 1))
+    ids = jnp.array([2, 0, 1, 2, 0])
+    x = jax.random.normal(jax.random.key(3), (1, 13, 16))
+
+    def call(selection, x):
+        return eqx.tree_at(lambda m: m.selection, layer, selection, is_leaf=lambda s: s is None)(x)
+
+    together = call(AdapterSelection(ids, groups), x)
+    parts = [call(AdapterSelection(ids[:2]), x_g) for x_g in split_tokens(x, groups)[:1]]
+    parts.append(call(AdapterSelection(ids[2:]), split_tokens(x, groups)[1]))
+    np.testing.assert_allclose(together, join_tokens(parts), rtol=1e-6, atol=1e-6)
+    assert together.shape == (1, 13, 2, 8)
+    for row, k in ((0, 2), (1, 0)):  # each prefill row with its own adapter, not another's
+        other = call(AdapterSelection(jnp.full((2,), (k + 1) % 3)), split_tokens(x, groups)[0])
+        assert np.max(np.abs(np.asarray(parts[0][row] - other[row]))) > 1e-3
