@@ -54,8 +54,9 @@ def main(args: Args) -> None:
     model = eqx_tx.init_model(preset(args.preset), key=jax.random.key(0), dtype=jnp.dtype(args.dtype))
     rows_total = args.prefill_rows + args.max_seqs
     per_row = -(-(args.context + args.chunk + 1) // args.page_size)
-    engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, max_seq_len=per_row * args.page_size,
-                           max_tokens_in_cache=rows_total * per_row * args.page_size)
+    pool = rows_total * per_row * args.page_size
+    engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size,
+                           max_seq_len=per_row * args.page_size, max_tokens_in_cache=pool)
     runner, unallocated = engine.runner, engine.num_pages
     rng = np.random.default_rng(0)
 
