@@ -249,12 +249,13 @@ class Scheduler:
         """Admit, plan one prefill chunk and one decode step (module docstring)."""
         self._admit()
         if not self.mixed:
-            return StepPlan(self._plan_prefill(), self._plan_decode())
-        decode = self._plan_decode()  # the requests running before this step (their logits exist)
+            prefill = self._plan_prefill()
+            return StepPlan(prefill, self._decode_batch(self._decoding()))
+        running = self._decoding()  # the requests running before this step (their logits exist)
         prefill = self._plan_prefill()
         if prefill is None:
-            return StepPlan(None, decode)
-        return StepPlan(prefill, self._decode_batch(decode.requests if decode else [], self.max_seqs), mixed=True)
+            return StepPlan(None, self._decode_batch(running))
+        return StepPlan(prefill, self._decode_batch(running, self.max_seqs), mixed=True)
 
     def finish_prefill(self, batch: PrefillBatch, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
         """Record the scores a prefill chunk computed (`[P, C]`, `[P, C, k]` twice; see
@@ -401,19 +402,23 @@ class Scheduler:
         return PrefillBatch(rows, table, tokens, start, length, self._adapter_ids(pending, P), tuple(pending), targets,
                             top_k)
 
-    def _plan_decode(self) -> DecodeBatch | None:
+    def _decoding(self) -> list[Request]:
+        """The running requests, oldest first, each with a page for this step's token
+        (handed out oldest first; preempted requests are left out)."""
         running = sorted((r for r in self.slots if r is not None and r.running), key=lambda r: r.admitted)
-        for r in running:  # a page for this step's token where the last one is full (oldest first)
+        for r in running:  # a page for this step's token where the last one is full
             if r.slot is not None and (len(r.prompt) + len(r.tokens)) // self.page_size >= len(r.pages):
                 self._page_for(r)
-        running = [r for r in running if r.slot is not None]
-        if not running:
-            return None
-        # The running slots, padded to a power of two: a few compiled shapes, no work for idle slots.
-        return self._decode_batch(running, min(self.max_seqs, 1 << (len(running) - 1).bit_length()))
+        return [r for r in running if r.slot is not None]
 
-    def _decode_batch(self, running: Sequence[Request], R: int) -> DecodeBatch:
-        """A decode step of `running` (pages in hand), padded to `R` rows."""
+    def _decode_batch(self, running: Sequence[Request], R: int | None = None) -> DecodeBatch | None:
+        """A decode step of `running` (pages in hand), padded to `R` rows (`None`: the
+        running count padded to a power of two, a few compiled shapes and no work for
+        idle slots; then `None` if nothing runs)."""
+        if R is None:
+            if not running:
+                return None
+            R = min(self.max_seqs, 1 << (len(running) - 1).bit_length())
         rows = np.full((R,), self.max_seqs, np.int32)
         table = np.full((R, self.table.shape[1]), self.num_pages, np.int32)
         positions = np.zeros((R,), np.int32)
