@@ -52,7 +52,7 @@ class Args:
 
 def main(args: Args) -> None:
     model = eqx_tx.init_model(preset(args.preset), key=jax.random.key(0), dtype=jnp.dtype(args.dtype))
-    rows_total = args.prefill_rows + args.max_seqs
+    rows_total = args.prefill_rows + args.live  # padding rows hold no pages
     per_row = -(-(args.context + args.chunk + 1) // args.page_size)
     pool = rows_total * per_row * args.page_size
     engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size,
