@@ -37,7 +37,12 @@ class Args:
     settings: tuple[str, ...] = ("1024:1:bf16", "1024:64:bf16", "1024:64:int8")
     """`context:batch:dtype` triples (`dtype`: the KV cache's, `bf16` or `int8`)."""
     preset: str = "qwen3-0.6b"
-    attention: str = "auto"
+    attentions: tuple[str, ...] = ("auto",)
+    """`ComputeConfig.attention` settings, each setting measured with each."""
+    n: int = 1
+    """Samples per prompt: `batch / n` prompts, each sampled `n` times; with `n > 1` the
+    samples share their prompt's cache (`SharedPrefixCache`), and the roofline reads a
+    prompt's keys/values once."""
     tokens_per_step: tuple[int, ...] = (0,)
     """The decode kernel's tokens per grid step (`ComputeConfig.decode_tokens_per_step`
     and `decode_int8_tokens_per_step` both), each setting measured at each; 0: the
@@ -53,16 +58,19 @@ class Args:
     its device ops that took the most time (ms per decode step)."""
 
 
-def measure(model, cfg, context: int, batch: int, dtype: str, tokens_per_step: int, args: Args, rng) -> dict:
-    compute = eqx_tx.ComputeConfig(attention=args.attention)  # type: ignore[arg-type]
+def measure(model, cfg, context: int, batch: int, dtype: str, attention: str, tokens_per_step: int, args: Args,
+            rng) -> dict:
+    compute = eqx_tx.ComputeConfig(attention=attention)  # type: ignore[arg-type]
     if tokens_per_step:
         compute = dataclasses.replace(compute, decode_tokens_per_step=tokens_per_step,
                                       decode_int8_tokens_per_step=tokens_per_step)
     tokens_per_step = compute.decode_step_tokens(dtype == "int8")
-    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
+    if batch % args.n:
+        raise ValueError(f"batch {batch} is not a multiple of --n {args.n}")
+    prompts = rng.integers(0, cfg.vocab_size, (batch // args.n, context)).tolist()
     timed = args.steps * (1 if args.profile_dir is None else 2)  # the traced call decodes after the timed one
-    params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=())] * batch
-    plan, seq_params, samples = generation._plan(prompts, params, 1, True, None)
+    params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=())] * len(prompts)
+    plan, seq_params, samples = generation._plan(prompts, params, args.n, True, None)
     sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples)
     t = time.perf_counter()
     state = generation._prefill_state(model, plan, None if dtype == "bf16" else "int8", compute)
@@ -84,11 +92,12 @@ def measure(model, cfg, context: int, batch: int, dtype: str, tokens_per_step: i
         if found:
             profile["top_device_ops_ms_per_step"] = [(name, round(ms / args.steps, 4))
                                                      for name, ms in top_trace_ops(found[0], 25)]
-    mean_context = context + args.warm + args.steps / 2
-    step_bytes = decode_bytes_per_token(cfg, 2, kv_length=batch * mean_context,
+    live = (batch // args.n) * context + batch * (args.warm + args.steps / 2)  # a shared prompt's keys once
+    step_bytes = decode_bytes_per_token(cfg, 2, kv_length=live,
                                         kv_bytes=kv_element_bytes(cfg.head_dim, dtype))
     roofline_ms = 1e3 * step_bytes / (args.bandwidth_gbs * 1e9)
-    return {"context": context, "batch": batch, "kv": dtype, "tokens_per_step": tokens_per_step,
+    return {"context": context, "batch": batch, "n": args.n, "kv": dtype, "attention": attention,
+            "tokens_per_step": tokens_per_step,
             "step_ms": round(step_ms, 3), "roofline_ms": round(roofline_ms, 3),
             "of_roofline": f"{roofline_ms / step_ms:.0%}", "tokens_per_s": round(batch / step_ms * 1e3),
             "first_call_s": round(first_s, 1), **profile}
@@ -100,7 +109,8 @@ def main(args: Args) -> None:
     cfg = preset(args.preset)
     model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
-    for setting, tokens_per_step in itertools.product(args.settings, args.tokens_per_step):
+    for setting, attention, tokens_per_step in itertools.product(args.settings, args.attentions,
+                                                                 args.tokens_per_step):
         context, batch, dtype = setting.split(":")
         if dtype not in ("bf16", "int8"):
             raise ValueError(f"setting {setting!r}: the KV dtype is bf16 or int8, not {dtype!r}")
@@ -108,9 +118,9 @@ def main(args: Args) -> None:
             print(json.dumps({"setting": setting, "skipped": f"over the {args.budget_s:.0f} s budget"}), flush=True)
             continue
         try:
-            row = measure(model, cfg, int(context), int(batch), dtype, tokens_per_step, args, rng)
+            row = measure(model, cfg, int(context), int(batch), dtype, attention, tokens_per_step, args, rng)
         except Exception as e:  # RESOURCE_EXHAUSTED (does not fit), or a kernel that does not compile
-            row = {"setting": setting, "tokens_per_step": tokens_per_step,
+            row = {"setting": setting, "attention": attention, "tokens_per_step": tokens_per_step,
                    "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         print(json.dumps(row), flush=True)
 
