@@ -85,13 +85,13 @@ class ComputeConfig:
     against 128 took a 1k x 64 step's attention from 14.5 to 13.4 ms and a 4k x 32
     one's from 25.7 to 22.1 (`benchmarks/results/accelerator_tpu_v5e.md`)."""
 
-    decode_int8_tokens_per_step: int = 128
+    decode_int8_tokens_per_step: int = 512
     """`decode_tokens_per_step` for an int8 cache. Its blocks are bound by their
-    compute (int8 to bf16, the scales), not their DMAs: folded block by block, 512
-    tokens per step measured slower than 128 (1k x 64: 18.9 against 15.8 ms). Above
-    one block per step the kernel now folds a step's int8 blocks as one (a form of
-    that measured 23.9 ms at 4k x 32 where block by block took 29-31); that has yet
-    to be measured against 128."""
+    compute (int8 to bf16 on the vector units), not their DMAs, so above one block per
+    step the kernel folds a step's blocks as one. On a TPU v5e (`generate`, Qwen3-0.6B
+    shape, `benchmarks/results/accelerator_tpu_v5e.md`) 512 against 128 took a 4k x 32
+    step from 29.8 to 25.8 ms and an 8k x 16 one from 29.4 to 24.5; at 1k x 64 it cost
+    4% (18.4 against 17.7)."""
 
     def __post_init__(self):
         for name in ("decode_tokens_per_step", "decode_int8_tokens_per_step"):
