@@ -9,7 +9,7 @@ from jaxtyping import Array, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh
-from ..kernels.decode_tpu import decode_attention_dense_with_lse, kernel_options
+from ..kernels.decode_tpu import decode_attention_dense_with_lse, decode_attention_shared_with_lse, kernel_options
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.flash import merge_partials
 from ..kernels.mask import AttentionMask
@@ -74,8 +74,10 @@ class SharedPrefixCache(AbstractCache):
 
     def _attend_in_place(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                          mesh: AnyMesh | None):
-        """One decoding query per sample on the TPU decode kernel: its prompt's row
-        and its own completion read in place, merged by their log-sum-exps."""
+        """One decoding query per sample on the TPU decode kernel: its own completion
+        read in place, and its prompt's row read in place once for a group of the
+        prompt's samples (`decode_attention_shared_with_lse`), merged by their
+        log-sum-exps."""
         assert mask.kv_lengths is not None
         for part in (self.prompt, self.completion):  # each checked as the dense cache it is (raises naming why)
             select_attention(q.shape, part.k.shape[1:], q.dtype, cache=part.kind, q_offset=mask.q_offset, mesh=mesh,
@@ -84,8 +86,7 @@ class SharedPrefixCache(AbstractCache):
         options = kernel_options(compute, quantized=completion.scales is not None)
         o_own, lse_own = decode_attention_dense_with_lse(q, completion.k, completion.v, layer, mask.kv_lengths,
                                                          scales=completion.scales, **options)
-        o_pre, lse_pre = decode_attention_dense_with_lse(
-            q, self.prompt.k, self.prompt.v, layer, jnp.repeat(self.prompt_lengths, self.n),
-            scales=self.prompt.scales, rows=jnp.arange(q.shape[0]) // self.n, **options)
+        o_pre, lse_pre = decode_attention_shared_with_lse(q, self.prompt.k, self.prompt.v, layer, self.prompt_lengths,
+                                                          samples=self.n, scales=self.prompt.scales, **options)
         o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
         return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, self, completion)

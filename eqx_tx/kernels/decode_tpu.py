@@ -378,6 +378,55 @@ def decode_attention_dense_with_lse(
     return out, lse
 
 
+def decode_attention_shared_with_lse(
+    q: Float[Array, "batch 1 heads head_dim"],
+    k: Float[Array, "layers rows max_len kv_heads head_dim"] | Int8[Array, "layers rows max_len kv_heads head_dim"],
+    v: Float[Array, "layers rows max_len kv_heads head_dim"] | Int8[Array, "layers rows max_len kv_heads head_dim"],
+    layer: Int[Array, ""],
+    lengths: Int[Array, " rows"],
+    *,
+    samples: int,
+    scales: tuple[Float[Array, "layers rows kv_heads max_len"], Float[Array, "layers rows kv_heads max_len"]]
+    | None = None,
+    max_query_rows: int = 128,
+    block: int = DENSE_BLOCK,
+    tokens_per_step: int = 512,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "batch 1 heads head_dim"], Float[Array, "batch 1 heads"]]:
+    """`decode_attention_dense_with_lse` for `samples` consecutive queries per cache row
+    (query `b` reads row `b // samples`: the samples of a shared prompt), each row read
+    once per group of its queries instead of once per query.
+
+    A group is as many of a row's samples as fit in `max_query_rows` query rows
+    (samples x heads; a divisor of `samples`): one grid row of the kernel, its queries
+    ordered kv head by kv head (each kv head's query heads of every sample of the
+    group), so the kernel's grouped-query masking serves them unchanged. It computes
+    what one query per grid row would; only the cache's bytes are read fewer times.
+
+    `scales`, `block`, `tokens_per_step`, `interpret`: as for `decode_attention_dense`.
+    """
+    B, _, N, H = q.shape
+    K = k.shape[3]
+    if B % samples or N % K:
+        raise ValueError(f"{B} queries of {N} heads do not group as {samples} samples over {K} kv heads")
+    per = max(d for d in range(1, samples + 1) if samples % d == 0 and (d == 1 or d * N <= max_query_rows))
+    R, G = B // per, N // K  # grid rows; query heads per kv head
+
+    def grouped(x):  # [B, N, ...] -> [R, K * per * G, ...]: kv head major
+        rest = x.shape[2:]
+        return jnp.swapaxes(x.reshape(R, per, K, G, *rest), 1, 2).reshape(R, K * per * G, *rest)
+
+    def ungrouped(x):  # the inverse
+        rest = x.shape[2:]
+        return jnp.swapaxes(x.reshape(R, K, per, G, *rest), 1, 2).reshape(B, N, *rest)
+
+    rows = jnp.arange(R) // (samples // per)
+    out, lse = _dense(grouped(q[:, 0])[:, None], k, v, layer, lengths[rows], scales, rows,
+                      block=block, tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
+    assert lse is not None
+    return ungrouped(out[:, 0])[:, None], ungrouped(lse[:, 0])[:, None]
+
+
 def _dense(q, k, v, layer, lengths, scales, rows, *, block: int, tokens_per_step: int, with_lse: bool,
            interpret: bool | None):
     """The dense cache as blocks, row `rows[b]` (default `b`) read by query `b`."""

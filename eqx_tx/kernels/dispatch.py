@@ -166,8 +166,9 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
     if cache == "shared_prefix":
         return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp; "
-                                                "decode_tpu reads them in place only when asked for by name (it reads "
-                                                "a prompt once per sample: 1.8x slower on a TPU v5e)")
+                                                "decode_tpu reads them in place only when asked for by name (reading a "
+                                                "prompt once per sample, 1.8x slower on a TPU v5e; once per group of "
+                                                "samples, not yet measured)")
     if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
         if T == 1 and cache != "none":
             return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)

@@ -11,6 +11,7 @@ from eqx_tx.kernels.decode_tpu import (
     decode_attention_blocks,
     decode_attention_dense,
     decode_attention_dense_with_lse,
+    decode_attention_shared_with_lse,
     dense_block,
 )
 from eqx_tx.kernels.quantized import Quantized
@@ -195,8 +196,9 @@ def test_shared_prompt_samples_decode_on_the_kernel_as_blockwise(tmp_path, monke
 
     calls = []
     monkeypatch.setattr(shared_prefix, "decode_attention_dense_with_lse",
-                        lambda *a, **kw: calls.append("prompt" if kw.get("rows") is not None else "own")
-                        or decode_attention_dense_with_lse(*a, **kw))
+                        lambda *a, **kw: calls.append("own") or decode_attention_dense_with_lse(*a, **kw))
+    monkeypatch.setattr(shared_prefix, "decode_attention_shared_with_lse",
+                        lambda *a, **kw: calls.append("prompt") or decode_attention_shared_with_lse(*a, **kw))
     model, prompts, params = _small_model_and_requests(tmp_path)
 
     def run(attention):
@@ -233,6 +235,45 @@ def test_rows_let_queries_share_a_cache_row_and_lse_merges_two_parts():
     out, _ = merge_partials(*halves[0], *halves[1])
     want = _reference(q[:, 0], k[1][rows], v[1][rows], lengths)
     np.testing.assert_allclose(np.asarray(out[:, 0]), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("max_query_rows", [128, 32, 1])
+def test_samples_of_a_shared_row_read_it_as_one_query_each_would(int8, max_query_rows):
+    """`decode_attention_shared_with_lse`: 3 cache rows of 4 samples each, 2 query
+    heads per kv head; the samples of a row in one group of 64 query rows, in groups
+    of 2, and one by one. Outputs and log-sum-exps equal the float64 reference of each
+    sample over its row (int8: over the dequantized row) and `rows=` one query per
+    grid row."""
+    L, R, S, K, H, N, n = 2, 3, 256, 8, 128, 16, 4
+    rng = np.random.default_rng(7)
+    k, v = (rng.standard_normal((L, R, S, K, H)).astype(np.float32) * 2 for _ in range(2))
+    scales = None
+    if int8:
+        (k, ks, kd), (v, vs, vd) = _quantized(k), _quantized(v)
+        scales = (ks, vs)
+    else:
+        kd, vd = k, v
+    q = rng.standard_normal((R * n, 1, N, H)).astype(np.float32)
+    lengths = np.array([256, 1, 130])
+    rows = np.arange(R * n) // n
+    out, lse = decode_attention_shared_with_lse(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(1),
+                                                jnp.asarray(lengths), samples=n, scales=scales,
+                                                max_query_rows=max_query_rows, block=64, interpret=True)
+    assert out.shape == q.shape and lse.shape == (R * n, 1, N)
+    np.testing.assert_allclose(np.asarray(out[:, 0]), _reference(q[:, 0], kd[1][rows], vd[1][rows], lengths[rows]),
+                               atol=1e-5)
+    one_each = decode_attention_dense_with_lse(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(1),
+                                               jnp.asarray(lengths[rows]), scales=scales, rows=jnp.asarray(rows),
+                                               block=64, interpret=True)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(one_each[1]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(one_each[0]), atol=1e-5)
+
+
+def test_shared_rows_refuse_queries_that_do_not_group():
+    q, kv = jnp.zeros((6, 1, 16, 128)), jnp.zeros((1, 2, 128, 8, 128))
+    with pytest.raises(ValueError, match="6 queries of 16 heads do not group as 4 samples over 8 kv heads"):
+        decode_attention_shared_with_lse(q, kv, kv, jnp.asarray(0), jnp.asarray([1, 1]), samples=4, interpret=True)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
