@@ -57,6 +57,10 @@ class Args:
     peak_tflops: float = 197.0
     """TPU v5e data sheet, bf16."""
     seed: int = 0
+    budget_s: float | None = None
+    """Stop each run after this many seconds of steps and report the steps done so far
+    (`"complete": false`; the roofline is those steps' own). A device call has a time
+    limit that the 64-prompt workload can outlast."""
 
 
 def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
@@ -88,7 +92,7 @@ def run(model, cfg, kv: str, mixed: bool, args: Args) -> dict:
     for prompt, params, sample in sequences:
         engine.add(prompt, params, sample=sample)
     generated, steps, rows, held_s, read_s, seconds = 0, 0, 0, 0.0, 0.0, 0.0
-    while engine.has_work():
+    while engine.has_work() and (args.budget_s is None or seconds < args.budget_s):
         stats = engine.stats()  # counted page by page: outside the timed steps
         t = time.perf_counter()
         events = engine.step()  # returns host tokens: the step has finished
@@ -104,9 +108,10 @@ def run(model, cfg, kv: str, mixed: bool, args: Args) -> dict:
     prefill_s = prefill_flops(cfg, computed / args.prompt, args.prompt) / (args.peak_tflops * 1e12)
     bandwidth = args.bandwidth_gbs * 1e9
     roofline_s, roofline_read_s = held_s / bandwidth + prefill_s, read_s / bandwidth + prefill_s
-    assert generated == sum(p.max_new_tokens for _, p, _ in sequences), generated
+    complete = not engine.has_work()
+    assert not complete or generated == sum(p.max_new_tokens for _, p, _ in sequences), generated
     del engine
-    return {"kv": kv, "mixed_steps": mixed, "sequences": len(sequences), "generated": generated,
+    return {"kv": kv, "mixed_steps": mixed, "sequences": len(sequences), "complete": complete, "generated": generated,
             "seconds": round(seconds, 1),
             "tokens_per_s": round(generated / seconds), "roofline_tokens_per_s": round(generated / roofline_s),
             "of_roofline": f"{roofline_s / seconds:.0%}", "of_roofline_read": f"{roofline_read_s / seconds:.0%}",
