@@ -70,6 +70,30 @@ def test_requests_arriving_while_others_run_equal_generate_alone(checkpoints):
     _assert_equal_to_generate(model, requests, results)
 
 
+def test_smallest_shapes_pad_short_chunks_and_few_rows_and_change_no_result(checkpoints):
+    """`min_prefill_chunk` and `min_decode_rows` (an accelerator's defaults are 128 and
+    8; on CPU 16 and 1): every prefill remainder runs in a chunk of at least that many
+    positions and every decode step in at least that many rows, which are all the
+    shapes `step_shapes` (and so `warmup`) lists; each result equals `generate` alone."""
+    model = eqx_tx.load(checkpoints["gqa_untied"], progress=False)
+    defaults = eqx_tx.Engine(model, max_seqs=4, max_tokens_in_cache=160, page_size=8)
+    assert (defaults.scheduler.min_chunk, defaults.scheduler.min_rows) == (16, 1)  # on CPU
+    requests = _workload(model.config.vocab_size, seed=1)[:5]
+    engine = eqx_tx.Engine(model, max_seqs=4, max_tokens_in_cache=160, page_size=8, prefill_chunk=32,
+                           min_prefill_chunk=32, min_decode_rows=4)
+    prefill_shapes, decode_rows = engine.scheduler.step_shapes()
+    assert {C for C, _ in prefill_shapes} == {32} and decode_rows == [4]
+    plans, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    results = engine.run(requests)
+    assert {p.prefill.tokens.shape[1] for p in plans if p.prefill is not None} == {32}
+    assert {len(p.decode.rows) for p in plans if p.decode is not None} == {4}
+    assert min(len(r) for r, _ in requests) < 32 and min(len(p.decode.requests) for p in plans if p.decode) < 4
+    _assert_equal_to_generate(model, requests, results)
+    with pytest.raises(ValueError, match="min_decode_rows must be a power of two, got 3"):
+        eqx_tx.EngineConfig(min_decode_rows=3)
+
+
 def test_tp_int8_engine_equals_generate(checkpoints):
     """An int8 pool on a tp=2 mesh (kv heads split like the model's), short of pages."""
     mesh = eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])

@@ -127,10 +127,14 @@ def test_cancel_frees_a_running_request_and_a_pool_too_small_is_refused():
         sched.add([1] * 40, SamplingParams(max_new_tokens=20), sample=0, adapter=None, stop=())
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_step_shapes_cover_every_planned_shape(mixed):
-    sched = _scheduler(max_seqs=5, prefill_chunk=32, prefill_rows=4, num_pages=64, pages_per_seq=16, mixed=mixed)
+@pytest.mark.parametrize("mixed,min_chunk,min_rows", [(False, 16, 1), (True, 16, 1), (False, 32, 4)])
+def test_step_shapes_cover_every_planned_shape(mixed, min_chunk, min_rows):
+    """Every planned shape is one `step_shapes` lists, none below the smallest chunk and
+    row count asked for (an accelerator's defaults: fewer shapes to compile)."""
+    sched = _scheduler(max_seqs=5, prefill_chunk=32, prefill_rows=4, num_pages=64, pages_per_seq=16, mixed=mixed,
+                       min_chunk=min_chunk, min_rows=min_rows)
     prefill_shapes, decode_rows = sched.step_shapes()
+    assert min(C for C, _ in prefill_shapes) == min_chunk and min(decode_rows) == min_rows
     rng = np.random.default_rng(1)
     for _ in range(9):
         sched.add(rng.integers(0, 50, int(rng.integers(1, 40))).tolist(),

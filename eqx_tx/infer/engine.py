@@ -29,7 +29,9 @@ import numpy as np
 
 from ..core.compute import ComputeConfig
 from ..core.log import log_once
+from ..core.sharding import current_mesh, mesh_context
 from ..core.util import ceil_div
+from ..kernels.dispatch import target_platform
 from ..layers.lora import check_adapter_ids, has_bank, set_adapter_slot
 from ..models import CausalLM
 from .config import EngineConfig
@@ -72,6 +74,10 @@ class Engine:
             cache_dtype = model.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         self._bank = has_bank(model)
         self._pages_per_seq, self._cache_dtype = pages_per_seq, cache_dtype
+        with mesh_context(model):
+            on_cpu = target_platform(current_mesh()) == "cpu"
+        self._min_chunk = config.min_prefill_chunk or (16 if on_cpu else 128)
+        self._min_rows = config.min_decode_rows or (1 if on_cpu else 8)
         self._mixed = config.mixed_steps and not mc.rope.depends_on_length
         if config.mixed_steps and not self._mixed:
             log_once("engine: a prefill pass, then a decode pass per step (not mixed_steps: this model's RoPE "
@@ -86,7 +92,8 @@ class Engine:
         self.scheduler = Scheduler(max_seqs=config.max_seqs, num_pages=self.num_pages, page_size=config.page_size,
                                    pages_per_seq=self._pages_per_seq, prefill_chunk=config.prefill_chunk,
                                    prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id,
-                                   score_top_k=config.max_top_logprobs, mixed=self._mixed)
+                                   score_top_k=config.max_top_logprobs, mixed=self._mixed,
+                                   min_chunk=self._min_chunk, min_rows=self._min_rows)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)

@@ -144,12 +144,16 @@ class Scheduler:
     `prefill_rows` as in `EngineConfig`; `bank`: requests name an adapter of a LoRA
     bank (padding rows get adapter 0); `first_id`: the first request's id (a scheduler
     that replaces another goes on from its ids: a late cancel never hits a new request);
-    `mixed`: plan a step's prefill chunk and decode rows to run in one pass (module docstring).
+    `mixed`: plan a step's prefill chunk and decode rows to run in one pass (module docstring);
+    `min_chunk`, `min_rows`: the smallest chunk a prefill remainder and the fewest rows a
+    decode step are padded to (`EngineConfig.min_prefill_chunk`, `min_decode_rows`).
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int, prefill_chunk: int,
-                 prefill_rows: int, bank: bool = False, first_id: int = 0, score_top_k: int = 0, mixed: bool = False):
+                 prefill_rows: int, bank: bool = False, first_id: int = 0, score_top_k: int = 0, mixed: bool = False,
+                 min_chunk: int = 16, min_rows: int = 1):
         self.max_seqs, self.num_pages, self.page_size, self.mixed = max_seqs, num_pages, page_size, mixed
+        self.min_chunk, self.min_rows = min_chunk, min_rows
         self.score_top_k = score_top_k
         self.prefill_chunk, self.prefill_rows, self.bank = prefill_chunk, prefill_rows, bank
         self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
@@ -238,9 +242,9 @@ class Scheduler:
         """Every `(chunk, rows)` a prefill batch and every row count a decode batch can
         have (for compiling them ahead: `Engine.warmup`; with `mixed`, a prefill batch
         runs beside `max_seqs` decode rows)."""
-        sizes = {min(self.prefill_chunk, 16 << i) for i in range(max(self.prefill_chunk, 16).bit_length())}
+        sizes = {min(self.prefill_chunk, self.min_chunk << i) for i in range(self.prefill_chunk.bit_length())}
         prefill_rows = {1 << i for i in range(self.prefill_rows.bit_length())}
-        rows = {min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)}
+        rows = {min(self.max_seqs, max(self.min_rows, 1 << i)) for i in range(self.max_seqs.bit_length() + 1)}
         return [(C, P) for C in sorted(sizes) for P in sorted(prefill_rows)], sorted(rows)
 
     # -- one step ----------------------------------------------------------------------------
@@ -375,7 +379,7 @@ class Scheduler:
         # holding the longest remainder, up to prefill_chunk (a prompt after a cached prefix
         # costs a short chunk); rows padded to a power of two. Few shapes compile.
         longest = max(len(r.context) - r.prefilled for r in pending)
-        C = min(self.prefill_chunk, max(16, 1 << (longest - 1).bit_length()))
+        C = min(self.prefill_chunk, max(self.min_chunk, 1 << (longest - 1).bit_length()))
         P = 1 << (len(pending) - 1).bit_length()
         rows = np.full((P,), self.max_seqs, np.int32)
         table = np.full((P, self.table.shape[1]), self.num_pages, np.int32)
@@ -418,7 +422,7 @@ class Scheduler:
         if R is None:
             if not running:
                 return None
-            R = min(self.max_seqs, 1 << (len(running) - 1).bit_length())
+            R = min(self.max_seqs, max(self.min_rows, 1 << (len(running) - 1).bit_length()))
         rows = np.full((R,), self.max_seqs, np.int32)
         table = np.full((R, self.table.shape[1]), self.num_pages, np.int32)
         positions = np.zeros((R,), np.int32)
