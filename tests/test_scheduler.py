@@ -54,7 +54,13 @@ def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda reque
             continue
         d = plan.decode
         tokens = np.zeros(len(d.rows), np.int32)
-        for i, r in enumerate(d.requests):
+        if d.share_rows:  # runs of requests sharing their first page; every other row is padding
+            assert len(d.rows) % d.share_rows == 0 and (d.rows[np.setdiff1d(np.arange(len(d.rows)), d.row_of())]
+                                                        == sched.max_seqs).all()
+            for run in d.table.reshape(-1, d.share_rows, d.table.shape[1]):
+                live = run[run[:, 0] != sched.num_pages]
+                assert len(live) <= 1 or (live[:, 0] == live[0, 0]).all() or len(set(live[:, 0])) == len(live)
+        for i, r in zip(d.row_of(), d.requests):
             pos = int(d.positions[i])
             assert pos == len(r.prompt) + len(r.tokens) and d.generated[i] == len(r.tokens)
             assert d.table[i, pos // PAGE] != sched.num_pages, "a decode step writes to an unallocated page"
@@ -114,6 +120,35 @@ def test_a_stop_token_ends_a_request_and_a_shared_prefix_is_computed_once(mixed)
     third = sched.add(system + [22], SamplingParams(max_new_tokens=1), sample=0, adapter=1, stop=())
     _, prefilled = _run(sched, pool)
     assert prefilled == 13 and sched.finished.pop(third).tokens == [7]
+
+
+def test_samples_of_a_prompt_decode_in_runs_that_share_its_pages():
+    """`share_rows`: the running samples of each prompt (their first page is one page)
+    decode in runs of 4 rows, padded, the rest after them; every request still reads
+    exactly its own context and gets its own tokens (`_run`)."""
+    sched = _scheduler(max_seqs=16, num_pages=80, pages_per_seq=10, prefill_rows=4, share_rows=4)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 50, 13).tolist() for _ in range(3)] + [rng.integers(0, 50, 3).tolist()]
+    ids = {}
+    for i, (p, n) in enumerate(zip(prompts, [3, 6, 1, 1])):
+        for j in range(n):
+            ids[sched.add(p, SamplingParams(max_new_tokens=int(rng.integers(2, 12))), sample=j, adapter=None,
+                          stop=())] = i
+    plans, schedule = [], sched.schedule
+    sched.schedule = lambda: plans.append(schedule()) or plans[-1]
+    events, _ = _run(sched, token_of=lambda request_id, i: 7 + (request_id + i) % 5)
+    assert set(events) == set(ids)
+    shared = [p.decode for p in plans if p.decode is not None and p.decode.share_rows]
+    assert shared, "no step ran in runs"
+    runs = []
+    for d in shared:
+        by_row = dict(zip(d.row_of().tolist(), d.requests))
+        runs += [[ids[by_row[i].id] if i in by_row else None for i in range(start, start + 4)]
+                 for start in range(0, len(d.rows), 4)]
+    assert [1, 1, 1, 1] in runs and [0, 0, 0, None] in runs, runs  # a prompt's samples, padded to a run
+    for run in runs:  # one prompt's samples, or requests that share their first page with none
+        live = [i for i in run if i is not None]
+        assert len(set(live)) in (1, len(live)), runs
 
 
 def test_cancel_frees_a_running_request_and_a_pool_too_small_is_refused():

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core.compute import ComputeConfig
+from ..core.log import log_once
 from ..core.ragged import RowGroups, join_tokens, split_rows, split_tokens
 from ..core.sharding import AnyMesh, HasAxes
-from ..kernels.decode_tpu import decode_attention_blocks, kernel_options
+from ..kernels.decode_tpu import decode_attention_blocks, decode_attention_blocks_shared, kernel_options
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.mask import AttentionMask
 from ..kernels.paged import paged_attention
@@ -50,14 +51,16 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
     v_scale: Float[Array, "layers pages kv_heads page_size"] | None
     page_table: Int[Array, "batch pages_per_seq"]
     groups: RowGroups | None = eqx.field(static=True)
+    share_rows: int = eqx.field(static=True)
 
-    def __init__(self, k, v, k_scale, v_scale, page_table, groups: RowGroups | None = None):
+    def __init__(self, k, v, k_scale, v_scale, page_table, groups: RowGroups | None = None, share_rows: int = 0):
         self.k = k
         self.v = v
         self.k_scale = k_scale
         self.v_scale = v_scale
         self.page_table = page_table
         self.groups = groups
+        self.share_rows = share_rows
 
     @classmethod
     def zeros(
@@ -85,13 +88,18 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         return self.k.shape[2]
 
     def with_table(self, page_table: Int[Array, "batch pages_per_seq"],
-                   groups: RowGroups | None = None) -> "PagedKVCache":
+                   groups: RowGroups | None = None, *, share_rows: int = 0) -> "PagedKVCache":
         """The same pool read and written through another page table (other sequences).
         `groups`: the next call's tokens are these groups of rows laid out as one row
-        (`eqx_tx.core.ragged`; the table has a row per row of all groups)."""
+        (`eqx_tx.core.ragged`; the table has a row per row of all groups).
+        `share_rows > 1`: the rows are in runs of that many, and the decode kernel reads
+        the leading pages a run shares once for it (`decode_attention_blocks_shared`)."""
         if groups is not None and page_table.shape[0] != sum(rows for rows, _ in groups):
             raise ValueError(f"a page table of {page_table.shape[0]} rows for row groups {groups}")
-        return PagedKVCache(self.k, self.v, self.k_scale, self.v_scale, page_table, groups)
+        if share_rows > 1 and (groups is not None or page_table.shape[0] % share_rows):
+            raise ValueError(f"runs of {share_rows} rows in a page table of {page_table.shape[0]} rows"
+                             f"{' and row groups' if groups is not None else ''}")
+        return PagedKVCache(self.k, self.v, self.k_scale, self.v_scale, page_table, groups, share_rows)
 
     def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
         """The whole key and value pools, for `eqx_tx.kernels.paged.paged_attention`
@@ -160,9 +168,16 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         assert mask.kv_lengths is not None
         if choice.backend == "decode_tpu":  # one query per sequence: its pages read in place
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
+            options = kernel_options(compute, quantized=self.scales is not None)
+            if self.share_rows > 1:  # a run's shared leading pages read once for it
+                return decode_attention_blocks_shared(q[:, 0], self.k, self.v, layer, self.page_table, lengths,
+                                                      rows=self.share_rows, scales=self.scales, **options)[:, None]
             o = decode_attention_blocks(q[:, 0], self.k, self.v, layer, self.page_table, lengths, scales=self.scales,
-                                        **kernel_options(compute, quantized=self.scales is not None))
+                                        **options)
             return o[:, None]
+        if self.share_rows > 1:
+            log_once(f"engine decode: runs of shared pages read row by row ({choice.backend} attention; only the TPU "
+                     "decode kernel reads a run's shared pages once)")
         return paged_attention(q, *self.pools(), layer, self.page_table, mask.kv_lengths, positions)
 
 

@@ -47,6 +47,15 @@ class EngineConfig:
     against 39.8 for the two: the passes are bound by the chunk's FLOPs and the rows'
     keys/values, not by the weights, and the padding rows cost. On CPU separate
     passes are faster too (`benchmarks/benchmark_engine.py`)."""
+    shared_decode_rows: int = 0
+    """Lay each decode step out in runs of this many rows (a power of two; 0: off) of
+    requests whose first page is one page (the `n` samples of a prompt, requests of
+    one cached system prompt), padded, so that the TPU decode kernel reads the leading
+    pages a run shares once for the whole run (`decode_attention_blocks_shared`)
+    instead of once per row. For RL's samples of long prompts this can cut a step's
+    bytes by nearly the prompt's share of them; the padding rows cost a little work.
+    Other attention paths read row by row (logged). Off until a TPU has measured it;
+    a natural setting is 128 // query heads per device (8 for Qwen3-0.6B)."""
     max_top_logprobs: int = 0
     """Each generated token also reports this many most likely alternatives and their
     log-probs (0: none; a top-k over the vocabulary in every decode step)."""
@@ -59,6 +68,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.shared_decode_rows < 0 or self.shared_decode_rows & (self.shared_decode_rows - 1):
+            raise ValueError(f"shared_decode_rows must be 0 or a power of two, got {self.shared_decode_rows}")
         if self.max_tokens_in_cache < self.page_size:
             raise ValueError(f"max_tokens_in_cache {self.max_tokens_in_cache} holds no page of {self.page_size} tokens")
         if self.max_top_logprobs < 0:

@@ -93,7 +93,8 @@ class Engine:
                                    pages_per_seq=self._pages_per_seq, prefill_chunk=config.prefill_chunk,
                                    prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id,
                                    score_top_k=config.max_top_logprobs, mixed=self._mixed,
-                                   min_chunk=self._min_chunk, min_rows=self._min_rows)
+                                   min_chunk=self._min_chunk, min_rows=self._min_rows,
+                                   share_rows=config.shared_decode_rows)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)
@@ -189,7 +190,8 @@ class Engine:
         score_last_n=...)`), with no alternatives and with up to `max_top_logprobs`.
         `progress(done, total)` is called after each shape."""
         self.runner.warmup(*self.scheduler.step_shapes(), bank=self._bank, progress=progress,
-                           score_top_ks=self.scheduler.score_top_ks() if scoring else (), mixed=self.scheduler.mixed)
+                           score_top_ks=self.scheduler.score_top_ks() if scoring else (), mixed=self.scheduler.mixed,
+                           share_rows=self.scheduler.share_rows)
 
     @property
     def pages_in_use(self) -> int:

@@ -58,6 +58,7 @@ class Runner:
             self.cache, self.logits, *sampled = paged_decode_step(
                 self.model, self.cache, self.logits, *_decode_arrays(batch), _maybe(batch.adapters),
                 self._sampler_for(batch), compute=self.compute, top_logprobs=self.top_logprobs,
+                share_rows=batch.share_rows,
             )
         return _sampled(*sampled)
 
@@ -76,22 +77,25 @@ class Runner:
 
     def warmup(self, prefill_shapes: list[tuple[int, int]], decode_rows: list[int], bank: bool,
                progress: Callable[[int, int], object] | None = None, score_top_ks: Sequence[int] = (),
-               mixed: bool = False) -> None:
+               mixed: bool = False, share_rows: int = 0) -> None:
         """Compile every `(chunk, rows)` prefill (and, for each of `score_top_ks`, that
         prefill scoring its positions with that many alternatives; with `mixed`, each in
-        one pass with `max_seqs` decode rows) and every decode row count now, on inputs
-        whose writes are dropped (out-of-range slots, unallocated pages).
+        one pass with `max_seqs` decode rows) and every decode row count (with
+        `share_rows > 1`, also in runs of that many rows where they divide it) now, on
+        inputs whose writes are dropped (out-of-range slots, unallocated pages).
         `progress(done, total)` is called after each shape."""
         unallocated = np.full((1, self.pages_per_seq), self.num_pages, np.int32)
         adapters = (lambda n: np.zeros((n,), np.int32)) if bank else (lambda n: None)
 
-        def decode_batch(R):
+        def decode_batch(R, share=0):
             return DecodeBatch((), np.full((R,), self.max_seqs, np.int32), np.repeat(unallocated, R, axis=0),
-                               np.zeros((R,), np.int32), np.zeros((R,), np.int32), adapters(R))
+                               np.zeros((R,), np.int32), np.zeros((R,), np.int32), adapters(R), share_rows=share)
 
         prefills = [(C, P, None) for C, P in prefill_shapes] + [(C, P, k) for k in score_top_ks
                                                                    for C, P in prefill_shapes]
-        total, done = len(prefills) + len(decode_rows), 0
+        decodes = [(R, 0) for R in decode_rows] + [(R, share_rows) for R in decode_rows
+                                                   if share_rows > 1 and R % share_rows == 0]
+        total, done = len(prefills) + len(decodes), 0
         for C, P, k in prefills:
             batch = PrefillBatch(np.full((P,), self.max_seqs, np.int32), np.repeat(unallocated, P, axis=0),
                                  np.zeros((P, C), np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
@@ -104,8 +108,8 @@ class Runner:
             done += 1
             if progress is not None:
                 progress(done, total)
-        for R in decode_rows:
-            self.decode(decode_batch(R))
+        for R, share in decodes:
+            self.decode(decode_batch(R, share))
             done += 1
             if progress is not None:
                 progress(done, total)
@@ -114,8 +118,9 @@ class Runner:
         """The sampler of `batch`'s rows (kept while the same requests run in the same rows)."""
         key, rows = batch.sampler_key, len(batch.rows)
         if self._sampler is None or self._sampler[0] != key:
-            params = [r.params for r in batch.requests] + [SamplingParams()] * (rows - len(batch.requests))
-            samples = [r.sample for r in batch.requests] + [0] * (rows - len(batch.requests))
+            params, samples = [SamplingParams()] * rows, [0] * rows  # padding rows
+            for i, r in zip(batch.row_of(), batch.requests):
+                params[i], samples[i] = r.params, r.sample
             # Stops are checked on the host (the scheduler): no stop ids on the device (one shape for all).
             params = [dataclasses.replace(p, stop_token_ids=()) for p in params]
             self._sampler = key, SamplerArrays.from_params(params, (), self.model.config.vocab_size, samples)

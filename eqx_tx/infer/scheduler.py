@@ -120,10 +120,16 @@ class DecodeBatch:
     positions: np.ndarray  # [R] where each row's new token is written
     generated: np.ndarray  # [R] tokens generated so far (the sampler's step)
     adapters: np.ndarray | None  # [R]
+    request_rows: np.ndarray | None = None  # the row of each request (None: request i in row i)
+    share_rows: int = 0  # > 1: laid out in runs of this many rows that share leading pages (`_runs`)
+
+    def row_of(self) -> np.ndarray:
+        """The row of each of `requests`."""
+        return np.arange(len(self.requests)) if self.request_rows is None else self.request_rows
 
     @property
     def sampler_key(self) -> tuple:
-        return tuple(r.id for r in self.requests), len(self.rows)
+        return tuple(r.id for r in self.requests), tuple(self.row_of().tolist()), len(self.rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +152,16 @@ class Scheduler:
     that replaces another goes on from its ids: a late cancel never hits a new request);
     `mixed`: plan a step's prefill chunk and decode rows to run in one pass (module docstring);
     `min_chunk`, `min_rows`: the smallest chunk a prefill remainder and the fewest rows a
-    decode step are padded to (`EngineConfig.min_prefill_chunk`, `min_decode_rows`).
+    decode step are padded to (`EngineConfig.min_prefill_chunk`, `min_decode_rows`);
+    `share_rows`: lay decode steps out in runs of this many rows of requests that share
+    their first page (`EngineConfig.shared_decode_rows`; 0: off).
     """
 
     def __init__(self, *, max_seqs: int, num_pages: int, page_size: int, pages_per_seq: int, prefill_chunk: int,
                  prefill_rows: int, bank: bool = False, first_id: int = 0, score_top_k: int = 0, mixed: bool = False,
-                 min_chunk: int = 16, min_rows: int = 1):
+                 min_chunk: int = 16, min_rows: int = 1, share_rows: int = 0):
         self.max_seqs, self.num_pages, self.page_size, self.mixed = max_seqs, num_pages, page_size, mixed
-        self.min_chunk, self.min_rows = min_chunk, min_rows
+        self.min_chunk, self.min_rows, self.share_rows = min_chunk, min_rows, share_rows
         self.score_top_k = score_top_k
         self.prefill_chunk, self.prefill_rows, self.bank = prefill_chunk, prefill_rows, bank
         self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
@@ -244,7 +252,7 @@ class Scheduler:
         runs beside `max_seqs` decode rows)."""
         sizes = {min(self.prefill_chunk, self.min_chunk << i) for i in range(self.prefill_chunk.bit_length())}
         prefill_rows = {1 << i for i in range(self.prefill_rows.bit_length())}
-        rows = {min(self.max_seqs, max(self.min_rows, 1 << i)) for i in range(self.max_seqs.bit_length() + 1)}
+        rows = {self._bucket(1 << i) for i in range(self.max_seqs.bit_length() + 1)}
         return [(C, P) for C in sorted(sizes) for P in sorted(prefill_rows)], sorted(rows)
 
     # -- one step ----------------------------------------------------------------------------
@@ -280,7 +288,7 @@ class Scheduler:
         of the alternatives `top = (ids, logprobs)` if given); finished requests free
         their slot and pages. Returns one event per request."""
         events = []
-        for i, r in enumerate(batch.requests):
+        for i, r in zip(batch.row_of(), batch.requests):
             t, lp = int(tokens[i]), float(logprobs[i])
             r.tokens.append(t)
             r.logprobs.append(lp)
@@ -418,26 +426,73 @@ class Scheduler:
     def _decode_batch(self, running: Sequence[Request], R: int | None = None) -> DecodeBatch | None:
         """A decode step of `running` (pages in hand), padded to `R` rows (`None`: the
         running count padded to a power of two, a few compiled shapes and no work for
-        idle slots; then `None` if nothing runs)."""
+        idle slots, or with `share_rows` their runs (`_runs`) so padded; then `None` if
+        nothing runs)."""
         if R is None:
             if not running:
                 return None
-            R = min(self.max_seqs, max(self.min_rows, 1 << (len(running) - 1).bit_length()))
+            layout = self._runs(running)
+            if layout is not None:
+                return self._laid_out(layout)
+            R = self._bucket(len(running))
+        return self._laid_out(list(running), R)
+
+    def _bucket(self, rows: int) -> int:
+        """The decode rows that `rows` requests are padded to."""
+        return min(self.max_seqs, max(self.min_rows, 1 << (rows - 1).bit_length()))
+
+    def _laid_out(self, layout: Sequence[Request | None], R: int | None = None) -> DecodeBatch:
+        """A decode step of the requests in `layout` (`None`: a padding row), padded to `R`
+        rows (`None`: the layout is in runs of `share_rows`, padded to a power of two)."""
+        runs = R is None
+        if R is None:
+            R = self._bucket(len(layout))
         rows = np.full((R,), self.max_seqs, np.int32)
         table = np.full((R, self.table.shape[1]), self.num_pages, np.int32)
         positions = np.zeros((R,), np.int32)
         generated = np.zeros((R,), np.int32)
-        for i, r in enumerate(running):
+        at = [i for i, r in enumerate(layout) if r is not None]
+        requests = [r for r in layout if r is not None]
+        for i, r in zip(at, requests):
             assert r.slot is not None
             position = len(r.prompt) + len(r.tokens)  # where this step's token is written
             rows[i], table[i], positions[i], generated[i] = r.slot, self.table[r.slot], position, len(r.tokens)
-        return DecodeBatch(tuple(running), rows, table, positions, generated, self._adapter_ids(running, R))
+        return DecodeBatch(tuple(requests), rows, table, positions, generated, self._adapter_ids(requests, R, at),
+                           np.asarray(at, np.int32) if runs else None, self.share_rows if runs else 0)
 
-    def _adapter_ids(self, requests: Sequence[Request], rows: int) -> np.ndarray | None:
-        """Each row's adapter (padding rows: adapter 0), or `None` without a bank."""
+    def _runs(self, running: Sequence[Request]) -> list[Request | None] | None:
+        """`running` in runs of `share_rows` rows, each of requests whose first page is
+        one page (the samples of a prompt, or requests of one cached system prompt), padded
+        with `None`; the requests that share their first page with no other after them.
+        `None` if no run shares a page, or the layout does not fit the slots."""
+        w = self.share_rows
+        if w < 2:
+            return None
+        by_first: dict[int, list[Request]] = {}
+        for r in running:
+            by_first.setdefault(r.pages[0] if r.pages else -1 - r.id, []).append(r)
+        layout: list[Request | None] = []
+        alone: list[Request] = []
+        for members in by_first.values():
+            while len(members) > 1:
+                run, members = members[:w], members[w:]
+                layout += run + [None] * (w - len(run))
+            alone += members
+        if not layout:
+            return None
+        layout += alone
+        R = self._bucket(len(layout))
+        return layout if len(layout) <= R and R % w == 0 else None
+
+    def _adapter_ids(self, requests: Sequence[Request], rows: int,
+                     at: Sequence[int] | None = None) -> np.ndarray | None:
+        """Each row's adapter (request `i` in row `at[i]`, default `i`; padding rows:
+        adapter 0), or `None` without a bank."""
         if not self.bank:
             return None
-        return np.asarray([r.adapter for r in requests] + [0] * (rows - len(requests)), np.int32)
+        ids = np.zeros((rows,), np.int32)
+        ids[list(range(len(requests))) if at is None else list(at)] = [r.adapter or 0 for r in requests]
+        return ids
 
     def _release(self, request: Request) -> None:
         """Free the request's slot and pages (its full pages stay cached by their tokens)."""

@@ -124,20 +124,23 @@ def zero_logits(rows: int, vocab: int):
     return constrain(jnp.zeros((rows, vocab), jnp.float32), (None, "act_vocab"))
 
 
-@functools.partial(jax.jit, static_argnames=("compute", "top_logprobs"), donate_argnames=("cache", "logits"))
+@functools.partial(jax.jit, static_argnames=("compute", "top_logprobs", "share_rows"),
+                   donate_argnames=("cache", "logits"))
 def paged_decode_step(model: CausalLM, cache: PagedKVCache, logits, rows, table, positions, generated, adapters,
-                      sampler: SamplerArrays, *, compute: ComputeConfig, top_logprobs: int = 0):
+                      sampler: SamplerArrays, *, compute: ComputeConfig, top_logprobs: int = 0, share_rows: int = 0):
     """For the slots `rows [R]` (padding: an out-of-range slot): sample token
     `generated[i]` from the slot's logits, feed it at `positions[i]` through the
     slot's pages `table [R, pages_per_seq]` (padding rows: unallocated, their writes
     dropped) with adapter `adapters[i]` (`None`: no bank) and store the next logits.
     Returns the tokens and their log-probs, and with `top_logprobs = k > 0` the `k`
     most likely tokens of each row and their log-probs (`[R, k]` each; else `None`),
-    all under the model's unmodified distribution."""
+    all under the model's unmodified distribution. `share_rows > 1`: the rows are in
+    runs of that many that may share leading pages (`PagedKVCache.share_rows`)."""
     if adapters is not None:
         model = select_adapters(model, adapters)
     token, logp, top_ids, top_logp = _sample_rows(logits, rows, sampler, generated, top_logprobs)
-    out, new = decode_one(model, cache.with_table(table), token, positions, AttentionMask.decode(positions), compute)
+    out, new = decode_one(model, cache.with_table(table, share_rows=share_rows), token, positions,
+                          AttentionMask.decode(positions), compute)
     assert isinstance(out, PagedKVCache)
     return out.with_table(cache.page_table), logits.at[rows].set(new, mode="drop"), token, logp, top_ids, top_logp
 

@@ -48,6 +48,7 @@ from jaxtyping import Array, Float, Int, Int8
 from ..core.compute import ComputeConfig
 from ..core.log import log_once
 from ..core.util import ceil_div
+from .flash import merge_partials
 
 _MASKED = -1e30
 
@@ -410,21 +411,80 @@ def decode_attention_shared_with_lse(
     if B % samples or N % K:
         raise ValueError(f"{B} queries of {N} heads do not group as {samples} samples over {K} kv heads")
     per = max(d for d in range(1, samples + 1) if samples % d == 0 and (d == 1 or d * N <= max_query_rows))
-    R, G = B // per, N // K  # grid rows; query heads per kv head
-
-    def grouped(x):  # [B, N, ...] -> [R, K * per * G, ...]: kv head major
-        rest = x.shape[2:]
-        return jnp.swapaxes(x.reshape(R, per, K, G, *rest), 1, 2).reshape(R, K * per * G, *rest)
-
-    def ungrouped(x):  # the inverse
-        rest = x.shape[2:]
-        return jnp.swapaxes(x.reshape(R, K, per, G, *rest), 1, 2).reshape(B, N, *rest)
-
+    R = B // per  # grid rows
     rows = jnp.arange(R) // (samples // per)
-    out, lse = _dense(grouped(q[:, 0])[:, None], k, v, layer, lengths[rows], scales, rows,
+    out, lse = _dense(_group_queries(q[:, 0], per, K)[:, None], k, v, layer, lengths[rows], scales, rows,
                       block=block, tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
     assert lse is not None
-    return ungrouped(out[:, 0])[:, None], ungrouped(lse[:, 0])[:, None]
+    return _ungroup_queries(out[:, 0], per, K)[:, None], _ungroup_queries(lse[:, 0], per, K)[:, None]
+
+
+def decode_attention_blocks_shared(
+    q: Float[Array, "batch heads head_dim"],
+    k: Float[Array, "layers blocks block kv_heads head_dim"] | Int8[Array, "layers blocks block kv_heads head_dim"],
+    v: Float[Array, "layers blocks block kv_heads head_dim"] | Int8[Array, "layers blocks block kv_heads head_dim"],
+    layer: Int[Array, ""],
+    table: Int[Array, "batch blocks_per_seq"],
+    lengths: Int[Array, " batch"],
+    *,
+    rows: int,
+    scales: tuple[Float[Array, "layers rows kv_heads row_tokens"], Float[Array, "layers rows kv_heads row_tokens"]]
+    | None = None,
+    tokens_per_step: int = 512,
+    interpret: bool | None = None,
+) -> Float[Array, "batch heads head_dim"]:
+    """`decode_attention_blocks`, with the leading blocks that `rows` consecutive
+    sequences share read once for all of them.
+
+    Each run of `rows` sequences (the batch in order) holds its longest common run of
+    leading table entries, cut to the blocks that lie wholly before every member's last
+    key: `m` blocks. The run's queries attend to those `m` blocks in one grid row of
+    the kernel (its queries grouped kv head by kv head, as
+    `decode_attention_shared_with_lse` groups a prompt's samples), each sequence to its
+    blocks after them on its own, and the two parts are merged by their log-sum-exps:
+    the same attention, with the shared blocks' bytes read once per run instead of
+    once per sequence. A run that shares nothing (`m = 0`) costs one block's read of
+    waste. The batch must be a multiple of `rows`.
+
+    Arguments as for `decode_attention_blocks`.
+    """
+    B, N, _ = q.shape
+    _, num_blocks, block, K, _ = k.shape
+    if B % rows:
+        raise ValueError(f"a batch of {B} sequences does not split into runs of {rows}")
+    P, interpret = table.shape[1], _interpret(interpret)
+    lengths = jnp.clip(lengths, 1, P * block)
+    runs = table.reshape(B // rows, rows, P)
+    same = jnp.all(runs == runs[:, :1], axis=1)  # [runs, P]
+    whole = jnp.min(((lengths - 1) // block).reshape(B // rows, rows), axis=1)  # blocks before every last key
+    shared = jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1), whole)  # [runs]
+    o_pre, lse_pre = _blocks(_group_queries(q, rows, K), k, v, layer, runs[:, 0], shared * block, scales,
+                             tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
+    assert lse_pre is not None
+    skip = jnp.repeat(shared, rows)  # [B]
+    after = jnp.take_along_axis(table, jnp.minimum(jnp.arange(P)[None, :] + skip[:, None], P - 1), axis=1)
+    o_own, lse_own = _blocks(q, k, v, layer, after, lengths - skip * block, scales,
+                             tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
+    assert lse_own is not None
+    lse_pre = jnp.where(skip[:, None] > 0, _ungroup_queries(lse_pre[..., 0], rows, K), -jnp.inf)
+    o, _ = merge_partials(o_own, lse_own[..., 0], _ungroup_queries(o_pre, rows, K), lse_pre)
+    return o.astype(q.dtype)
+
+
+def _group_queries(x: Array, per: int, kv_heads: int) -> Array:
+    """`[B, N, ...]` -> `[B / per, kv_heads * per * N / kv_heads, ...]`: each run of
+    `per` rows' query heads as one row's, kv head by kv head (each kv head's query heads
+    of every row of the run), so the kernel's grouped-query masking serves them."""
+    B, N, rest = x.shape[0], x.shape[1], x.shape[2:]
+    G = N // kv_heads
+    return jnp.swapaxes(x.reshape(B // per, per, kv_heads, G, *rest), 1, 2).reshape(B // per, N * per, *rest)
+
+
+def _ungroup_queries(x: Array, per: int, kv_heads: int) -> Array:
+    """The inverse of `_group_queries`."""
+    R, M, rest = x.shape[0], x.shape[1], x.shape[2:]
+    G = M // (per * kv_heads)
+    return jnp.swapaxes(x.reshape(R, kv_heads, per, G, *rest), 1, 2).reshape(R * per, M // per, *rest)
 
 
 def _dense(q, k, v, layer, lengths, scales, rows, *, block: int, tokens_per_step: int, with_lse: bool,

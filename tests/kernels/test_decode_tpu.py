@@ -9,6 +9,7 @@ import eqx_tx
 from eqx_tx.kernels import dispatch
 from eqx_tx.kernels.decode_tpu import (
     decode_attention_blocks,
+    decode_attention_blocks_shared,
     decode_attention_dense,
     decode_attention_dense_with_lse,
     decode_attention_shared_with_lse,
@@ -270,6 +271,51 @@ def test_samples_of_a_shared_row_read_it_as_one_query_each_would(int8, max_query
     np.testing.assert_allclose(np.asarray(out), np.asarray(one_each[0]), atol=1e-5)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_runs_of_sequences_read_their_shared_leading_pages_once_and_attend_as_alone(monkeypatch, int8):
+    """`decode_attention_blocks_shared`, runs of 4 sequences over a shuffled pool of
+    16-token pages: run 0 shares 3 leading pages, but one member's last key lies in the
+    third (so 2 are read once for the run), run 1 shares none across all four (two of
+    its members share two pages with each other only), run 2 is one sequence beside
+    three of length 1 (padding). Each equals the float64 reference over its own table
+    (int8: dequantized) and `decode_attention_blocks`."""
+    from eqx_tx.kernels import decode_tpu
+
+    read, blocks = [], decode_tpu._blocks
+    monkeypatch.setattr(decode_tpu, "_blocks", lambda q, k, v, layer, table, lengths, *a, **kw:
+                        read.append(np.asarray(lengths)) or blocks(q, k, v, layer, table, lengths, *a, **kw))
+    L, pages, page, K, H, N = 2, 40, 16, 8, 128, 16
+    rng = np.random.default_rng(9)
+    k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) * 2 for _ in range(2))
+    scales = None
+    if int8:
+        (k, ks, kd), (v, vs, vd) = _quantized(k), _quantized(v)
+        scales = (ks, vs)
+    else:
+        kd, vd = k, v
+    free = iter(rng.permutation(pages).tolist())
+    shared3, shared2 = [next(free) for _ in range(3)], [next(free) for _ in range(2)]
+    own = lambda n: [next(free) for _ in range(n)]  # noqa: E731
+    tables = [shared3 + own(2), shared3 + own(1), shared3 + own(2), shared3 + own(1),
+              shared2 + own(1), shared2 + own(2), own(3), own(2),
+              own(4), [pages] * 5, [pages] * 5, [pages] * 5]
+    table = np.array([t + [pages] * (5 - len(t)) for t in tables])
+    lengths = np.array([70, 3 * page, 80, 60, 40, 45, 33, 20, 64, 1, 1, 1])
+    q = rng.standard_normal((12, N, H)).astype(np.float32)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(1), jnp.asarray(table), jnp.asarray(lengths))
+    out = decode_attention_blocks_shared(*args, rows=4, scales=scales, tokens_per_step=32, interpret=True)
+    assert read[0].tolist() == [2 * page, 0, 0]  # the runs' shared keys, then each sequence's own
+    assert read[1].tolist() == (lengths - np.repeat([2 * page, 0, 0], 4)).tolist()
+    gathered = lambda x: np.stack([x[1, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
+    live = slice(0, 9)
+    np.testing.assert_allclose(np.asarray(out)[live], _reference(q, gathered(kd), gathered(vd), lengths)[live],
+                               atol=1e-5)
+    alone = decode_attention_blocks(*args, scales=scales, tokens_per_step=32, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(alone), atol=1e-5)
+    with pytest.raises(ValueError, match="a batch of 12 sequences does not split into runs of 8"):
+        decode_attention_blocks_shared(*args, rows=8, interpret=True)
+
+
 def test_shared_rows_refuse_queries_that_do_not_group():
     q, kv = jnp.zeros((6, 1, 16, 128)), jnp.zeros((1, 2, 128, 8, 128))
     with pytest.raises(ValueError, match="6 queries of 16 heads do not group as 4 samples over 8 kv heads"):
@@ -297,6 +343,40 @@ def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monke
     assert calls and engine.stats()["preemptions"] > 0
     assert set(calls) == {engine.compute.decode_step_tokens(dtype is not None)}
     _assert_equal_to_generate(model, requests, results, cache_dtype=dtype)
+
+
+def test_engine_samples_of_a_prompt_read_its_pages_once_per_run_and_equal_row_by_row(tmp_path, monkeypatch):
+    """`EngineConfig.shared_decode_rows=2` on the kernel (interpreted): the `n=2`
+    samples of each of two prompts (20 and 3 tokens, pages of 8) decode in runs of 2
+    rows whose shared prompt pages the kernel reads once per run; every sample's
+    tokens and log-probs equal the engine's row by row (`shared_decode_rows=0`), and
+    the compiled programs are those `warmup` compiled."""
+    from eqx_tx.cache import paged
+    from eqx_tx.infer import steps
+
+    calls = []
+    monkeypatch.setattr(paged, "decode_attention_blocks_shared",
+                        lambda *a, **kw: calls.append(kw["rows"]) or decode_attention_blocks_shared(*a, **kw))
+    model, prompts, params = _small_model_and_requests(tmp_path)
+    requests = list(zip(prompts, params))[::-1]
+
+    def engine(share):
+        return eqx_tx.Engine(model, max_seqs=4, max_tokens_in_cache=256, page_size=8, prefill_chunk=16,
+                             shared_decode_rows=share,
+                             compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
+
+    want = engine(0).run(requests, n=2)
+    shared = engine(2)
+    shared.warmup()
+    compiled = steps.paged_decode_step._cache_size()
+    plans, schedule = [], shared.scheduler.schedule
+    shared.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    got = shared.run(requests, n=2)
+    assert calls and set(calls) == {2} and steps.paged_decode_step._cache_size() == compiled
+    assert any(p.decode.share_rows == 2 and len(p.decode.requests) == 4 for p in plans if p.decode is not None)
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["decode_tokens_per_step", "decode_int8_tokens_per_step"])
