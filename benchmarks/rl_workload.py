@@ -51,6 +51,9 @@ class Args:
     kv_dtypes: tuple[str, ...] = ("bf16",)
     """The pool's dtypes: `bf16` or `int8`."""
     mixed_steps: tuple[bool, ...] = (False,)
+    shared_decode_rows: tuple[int, ...] = (0,)
+    """`EngineConfig.shared_decode_rows` settings (0: off; 8: a Qwen3-0.6B prompt's 8
+    samples read its pages once per decode step)."""
     """`EngineConfig.mixed_steps` settings to run (each with every pool dtype)."""
     bandwidth_gbs: float = 819.0
     """TPU v5e data sheet."""
@@ -78,13 +81,14 @@ def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
     return out
 
 
-def run(model, cfg, kv: str, mixed: bool, args: Args) -> dict:
+def run(model, cfg, kv: str, mixed: bool, share: int, args: Args) -> dict:
     element = kv_element_bytes(cfg.head_dim, kv)
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
     pool_tokens = int(args.pool_gib * 2**30 / token_bytes) // args.page_size * args.page_size
     engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size,
                            max_seq_len=args.prompt + args.max_new, max_tokens_in_cache=pool_tokens,
-                           cache_dtype=jnp.int8 if kv == "int8" else None, mixed_steps=mixed)
+                           cache_dtype=jnp.int8 if kv == "int8" else None, mixed_steps=mixed,
+                           shared_decode_rows=share)
     t = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t
@@ -111,7 +115,8 @@ def run(model, cfg, kv: str, mixed: bool, args: Args) -> dict:
     complete = not engine.has_work()
     assert not complete or generated == sum(p.max_new_tokens for _, p, _ in sequences), generated
     del engine
-    return {"kv": kv, "mixed_steps": mixed, "sequences": len(sequences), "complete": complete, "generated": generated,
+    return {"kv": kv, "mixed_steps": mixed, "shared_decode_rows": share, "sequences": len(sequences),
+            "complete": complete, "generated": generated,
             "seconds": round(seconds, 1),
             "tokens_per_s": round(generated / seconds), "roofline_tokens_per_s": round(generated / roofline_s),
             "of_roofline": f"{roofline_s / seconds:.0%}", "of_roofline_read": f"{roofline_read_s / seconds:.0%}",
@@ -128,8 +133,8 @@ def main(args: Args) -> None:
     for kv in args.kv_dtypes:
         if kv not in ("bf16", "int8"):
             raise ValueError(f"--kv-dtypes: bf16 or int8, not {kv!r}")
-    for kv, mixed in itertools.product(args.kv_dtypes, args.mixed_steps):
-        print(json.dumps(run(model, cfg, kv, mixed, args)), flush=True)
+    for kv, mixed, share in itertools.product(args.kv_dtypes, args.mixed_steps, args.shared_decode_rows):
+        print(json.dumps(run(model, cfg, kv, mixed, share, args)), flush=True)
 
 
 if __name__ == "__main__":
