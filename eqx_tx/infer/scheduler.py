@@ -461,10 +461,10 @@ class Scheduler:
                            np.asarray(at, np.int32) if runs else None, self.share_rows if runs else 0)
 
     def _runs(self, running: Sequence[Request]) -> list[Request | None] | None:
-        """`running` in runs of `share_rows` rows, each of requests whose first page is
-        one page (the samples of a prompt, or requests of one cached system prompt), padded
-        with `None`; the requests that share their first page with no other after them.
-        `None` if no run shares a page, or the layout does not fit the slots."""
+        """`running` laid out in runs of `share_rows` rows, each of requests whose first
+        page is one page (the samples of a prompt, or requests of one cached system
+        prompt) and padded with `None`, then, packed, the requests left without a partner.
+        `None` if no two requests share a first page, or the layout does not fit the slots."""
         w = self.share_rows
         if w < 2:
             return None
