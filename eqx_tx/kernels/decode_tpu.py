@@ -436,14 +436,15 @@ def decode_attention_blocks_shared(
     """`decode_attention_blocks`, with the leading blocks that `rows` consecutive
     sequences share read once for all of them.
 
-    Each run of `rows` sequences (the batch in order) holds its longest common run of
-    leading table entries, cut to the blocks that lie wholly before every member's last
-    key: `m` blocks. The run's queries attend to those `m` blocks in one grid row of
-    the kernel (its queries grouped kv head by kv head, as
-    `decode_attention_shared_with_lse` groups a prompt's samples), each sequence to its
-    blocks after them on its own, and the two parts are merged by their log-sum-exps:
-    the same attention, with the shared blocks' bytes read once per run instead of
-    once per sequence. A run that shares nothing (`m = 0`) costs one block's read of
+    Each run of `rows` sequences (the batch in order; a run starts with a live
+    sequence, and padding rows, whose first table entry is outside the pool, take no
+    part) holds its longest common run of leading table entries, cut to the blocks that
+    lie wholly before every member's last key: `m` blocks. The run's queries attend to
+    those `m` blocks in one grid row of the kernel (its queries grouped kv head by kv
+    head, as `decode_attention_shared_with_lse` groups a prompt's samples), each
+    sequence to its blocks after them on its own, and the two parts are merged by their
+    log-sum-exps: the same attention, with the shared blocks' bytes read once per run
+    instead of once per sequence. A run that shares nothing (`m = 0`) costs one block's read of
     waste. The batch must be a multiple of `rows`.
 
     Arguments as for `decode_attention_blocks`.
@@ -454,14 +455,15 @@ def decode_attention_blocks_shared(
         raise ValueError(f"a batch of {B} sequences does not split into runs of {rows}")
     P, interpret = table.shape[1], _interpret(interpret)
     lengths = jnp.clip(lengths, 1, P * block)
-    runs = table.reshape(B // rows, rows, P)
-    same = jnp.all(runs == runs[:, :1], axis=1)  # [runs, P]
-    whole = jnp.min(((lengths - 1) // block).reshape(B // rows, rows), axis=1)  # blocks before every last key
-    shared = jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1), whole)  # [runs]
+    live = table[:, 0] < num_blocks  # a padding row holds no block
+    runs, live_runs = table.reshape(B // rows, rows, P), live.reshape(B // rows, rows)
+    same = jnp.all((runs == runs[:, :1]) | ~live_runs[..., None], axis=1)  # [runs, P]: the live rows agree
+    last = jnp.min(jnp.where(live_runs, ((lengths - 1) // block).reshape(B // rows, rows), P), axis=1)
+    shared = jnp.where(live_runs[:, 0], jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1), last), 0)
     o_pre, lse_pre = _blocks(_group_queries(q, rows, K), k, v, layer, runs[:, 0], shared * block, scales,
                              tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
     assert lse_pre is not None
-    skip = jnp.repeat(shared, rows)  # [B]
+    skip = jnp.where(live, jnp.repeat(shared, rows), 0)  # [B]
     after = jnp.take_along_axis(table, jnp.minimum(jnp.arange(P)[None, :] + skip[:, None], P - 1), axis=1)
     o_own, lse_own = _blocks(q, k, v, layer, after, lengths - skip * block, scales,
                              tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)

@@ -276,9 +276,10 @@ def test_runs_of_sequences_read_their_shared_leading_pages_once_and_attend_as_al
     """`decode_attention_blocks_shared`, runs of 4 sequences over a shuffled pool of
     16-token pages: run 0 shares 3 leading pages, but one member's last key lies in the
     third (so 2 are read once for the run), run 1 shares none across all four (two of
-    its members share two pages with each other only), run 2 is one sequence beside
-    three of length 1 (padding). Each equals the float64 reference over its own table
-    (int8: dequantized) and `decode_attention_blocks`."""
+    its members share two pages with each other only), run 2 is two sequences sharing
+    two pages beside two padding rows (no page: they take no part). Each equals the
+    float64 reference over its own table (int8: dequantized) and
+    `decode_attention_blocks`."""
     from eqx_tx.kernels import decode_tpu
 
     read, blocks = [], decode_tpu._blocks
@@ -294,20 +295,20 @@ def test_runs_of_sequences_read_their_shared_leading_pages_once_and_attend_as_al
     else:
         kd, vd = k, v
     free = iter(rng.permutation(pages).tolist())
-    shared3, shared2 = [next(free) for _ in range(3)], [next(free) for _ in range(2)]
     own = lambda n: [next(free) for _ in range(n)]  # noqa: E731
+    shared3, shared2, other2 = own(3), own(2), own(2)
     tables = [shared3 + own(2), shared3 + own(1), shared3 + own(2), shared3 + own(1),
               shared2 + own(1), shared2 + own(2), own(3), own(2),
-              own(4), [pages] * 5, [pages] * 5, [pages] * 5]
+              other2 + own(1), other2 + own(2), [pages] * 5, [pages] * 5]
     table = np.array([t + [pages] * (5 - len(t)) for t in tables])
-    lengths = np.array([70, 3 * page, 80, 60, 40, 45, 33, 20, 64, 1, 1, 1])
+    lengths = np.array([70, 3 * page, 80, 60, 40, 45, 33, 20, 40, 45, 1, 1])
     q = rng.standard_normal((12, N, H)).astype(np.float32)
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(1), jnp.asarray(table), jnp.asarray(lengths))
     out = decode_attention_blocks_shared(*args, rows=4, scales=scales, tokens_per_step=32, interpret=True)
-    assert read[0].tolist() == [2 * page, 0, 0]  # the runs' shared keys, then each sequence's own
-    assert read[1].tolist() == (lengths - np.repeat([2 * page, 0, 0], 4)).tolist()
+    assert read[0].tolist() == [2 * page, 0, 2 * page]  # the runs' shared keys, then each sequence's own
+    assert read[1].tolist() == (lengths - np.array([2 * page] * 4 + [0] * 4 + [2 * page] * 2 + [0] * 2)).tolist()
     gathered = lambda x: np.stack([x[1, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
-    live = slice(0, 9)
+    live = slice(0, 10)
     np.testing.assert_allclose(np.asarray(out)[live], _reference(q, gathered(kd), gathered(vd), lengths)[live],
                                atol=1e-5)
     alone = decode_attention_blocks(*args, scales=scales, tokens_per_step=32, interpret=True)
@@ -346,9 +347,9 @@ def test_engine_decodes_on_the_kernel_through_its_page_tables(checkpoints, monke
 
 
 def test_engine_samples_of_a_prompt_read_its_pages_once_per_run_and_equal_row_by_row(tmp_path, monkeypatch):
-    """`EngineConfig.shared_decode_rows=2` on the kernel (interpreted): the `n=2`
-    samples of each of two prompts (20 and 3 tokens, pages of 8) decode in runs of 2
-    rows whose shared prompt pages the kernel reads once per run; every sample's
+    """`EngineConfig.shared_decode_rows=4` on the kernel (interpreted): the `n=3`
+    samples of each of two prompts (20 and 3 tokens, pages of 8) decode in runs of 4
+    rows (one a padding row) whose shared prompt pages the kernel reads once per run; every sample's
     tokens and log-probs equal the engine's row by row (`shared_decode_rows=0`), and
     the compiled programs are those `warmup` compiled."""
     from eqx_tx.cache import paged
@@ -361,19 +362,19 @@ def test_engine_samples_of_a_prompt_read_its_pages_once_per_run_and_equal_row_by
     requests = list(zip(prompts, params))[::-1]
 
     def engine(share):
-        return eqx_tx.Engine(model, max_seqs=4, max_tokens_in_cache=256, page_size=8, prefill_chunk=16,
+        return eqx_tx.Engine(model, max_seqs=8, max_tokens_in_cache=256, page_size=8, prefill_chunk=16,
                              shared_decode_rows=share,
                              compute=eqx_tx.ComputeConfig(attention="decode_tpu"))
 
-    want = engine(0).run(requests, n=2)
-    shared = engine(2)
+    want = engine(0).run(requests, n=3)
+    shared = engine(4)
     shared.warmup()
     compiled = steps.paged_decode_step._cache_size()
     plans, schedule = [], shared.scheduler.schedule
     shared.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
-    got = shared.run(requests, n=2)
-    assert calls and set(calls) == {2} and steps.paged_decode_step._cache_size() == compiled
-    assert any(p.decode.share_rows == 2 and len(p.decode.requests) == 4 for p in plans if p.decode is not None)
+    got = shared.run(requests, n=3)
+    assert calls and set(calls) == {4} and steps.paged_decode_step._cache_size() == compiled
+    assert any(p.decode.share_rows == 4 and len(p.decode.requests) == 6 for p in plans if p.decode is not None)
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
