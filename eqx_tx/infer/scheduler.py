@@ -433,20 +433,17 @@ class Scheduler:
                 return None
             layout = self._runs(running)
             if layout is not None:
-                return self._laid_out(layout)
+                return self._laid_out(layout, self._bucket(len(layout)), self.share_rows)
             R = self._bucket(len(running))
-        return self._laid_out(list(running), R)
+        return self._laid_out(running, R)
 
     def _bucket(self, rows: int) -> int:
         """The decode rows that `rows` requests are padded to."""
         return min(self.max_seqs, max(self.min_rows, 1 << (rows - 1).bit_length()))
 
-    def _laid_out(self, layout: Sequence[Request | None], R: int | None = None) -> DecodeBatch:
+    def _laid_out(self, layout: Sequence[Request | None], R: int, share_rows: int = 0) -> DecodeBatch:
         """A decode step of the requests in `layout` (`None`: a padding row), padded to `R`
-        rows (`None`: the layout is in runs of `share_rows`, padded to a power of two)."""
-        runs = R is None
-        if R is None:
-            R = self._bucket(len(layout))
+        rows; `share_rows > 1`: the layout is in runs of that many rows (`_runs`)."""
         rows = np.full((R,), self.max_seqs, np.int32)
         table = np.full((R, self.table.shape[1]), self.num_pages, np.int32)
         positions = np.zeros((R,), np.int32)
@@ -458,7 +455,7 @@ class Scheduler:
             position = len(r.prompt) + len(r.tokens)  # where this step's token is written
             rows[i], table[i], positions[i], generated[i] = r.slot, self.table[r.slot], position, len(r.tokens)
         return DecodeBatch(tuple(requests), rows, table, positions, generated, self._adapter_ids(requests, R, at),
-                           np.asarray(at, np.int32) if runs else None, self.share_rows if runs else 0)
+                           np.asarray(at, np.int32) if share_rows else None, share_rows)
 
     def _runs(self, running: Sequence[Request]) -> list[Request | None] | None:
         """`running` laid out in runs of `share_rows` rows, each of requests whose first

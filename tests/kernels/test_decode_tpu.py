@@ -78,6 +78,15 @@ def _quantized(x):
     return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32))
 
 
+def _stored(k, v, int8: bool):
+    """`k, v` as a cache stores them (int8: values), their scales (`None` unless int8),
+    and the keys/values attention sees (int8: dequantized)."""
+    if not int8:
+        return k, v, None, k, v
+    (kq, ks, kd), (vq, vs, vd) = _quantized(k), _quantized(v)
+    return kq, vq, (ks, vs), kd, vd
+
+
 @pytest.mark.parametrize("tokens_per_step", [256, 512])
 @pytest.mark.parametrize("paged", [False, True])
 def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, tokens_per_step):
@@ -249,12 +258,7 @@ def test_samples_of_a_shared_row_read_it_as_one_query_each_would(int8, max_query
     L, R, S, K, H, N, n = 2, 3, 256, 8, 128, 16, 4
     rng = np.random.default_rng(7)
     k, v = (rng.standard_normal((L, R, S, K, H)).astype(np.float32) * 2 for _ in range(2))
-    scales = None
-    if int8:
-        (k, ks, kd), (v, vs, vd) = _quantized(k), _quantized(v)
-        scales = (ks, vs)
-    else:
-        kd, vd = k, v
+    k, v, scales, kd, vd = _stored(k, v, int8)
     q = rng.standard_normal((R * n, 1, N, H)).astype(np.float32)
     lengths = np.array([256, 1, 130])
     rows = np.arange(R * n) // n
@@ -288,12 +292,7 @@ def test_runs_of_sequences_read_their_shared_leading_pages_once_and_attend_as_al
     L, pages, page, K, H, N = 2, 40, 16, 8, 128, 16
     rng = np.random.default_rng(9)
     k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) * 2 for _ in range(2))
-    scales = None
-    if int8:
-        (k, ks, kd), (v, vs, vd) = _quantized(k), _quantized(v)
-        scales = (ks, vs)
-    else:
-        kd, vd = k, v
+    k, v, scales, kd, vd = _stored(k, v, int8)
     free = iter(rng.permutation(pages).tolist())
     own = lambda n: [next(free) for _ in range(n)]  # noqa: E731
     shared3, shared2, other2 = own(3), own(2), own(2)
