@@ -6,12 +6,10 @@ through XLA, one layer of either is first copied out of the stack (a `slice`, or
 the pages gathered), then read by the attention: at batch 64 the copies of a
 Qwen3-0.6B decode step took half of it (`benchmarks/results/accelerator_tpu_v5e.md`).
 This Pallas (Mosaic) kernel reads the stack where it lies. The layer index, each
-sequence's length and its block table are scalar-prefetched. The grid is one axis
-over every sequence's own steps in turn (ragged: a short sequence beside a long one
-costs its own steps, not the longest's), and step `j` of sequence `b` DMAs `n` blocks
-`table[b, j * n:(j + 1) * n]` of layer `layer` (each `[block, kv_heads, head_dim]`,
-its own DMA; `n` from `tokens_per_step`: a grid step has a fixed cost, which `n`
-blocks share) into VMEM and folds each into an online softmax.
+sequence's length and its block table are scalar-prefetched; grid step `(b, j)`
+DMAs `n` blocks `table[b, j * n:(j + 1) * n]` of layer `layer` (each `[block,
+kv_heads, head_dim]`, its own DMA; `n` from `tokens_per_step`: a grid step has a
+fixed cost, which `n` blocks share) into VMEM and folds each into an online softmax.
 A sequence's partial step is its first; a slot with no block re-names a live one
 (`_first_slot`), so no bytes move for it (Pallas skips a DMA whose block index repeats
 from the step before), and it is not computed.
@@ -20,20 +18,22 @@ A dense cache is the same thing viewed as blocks: `[layers, batch * max_len / bl
 block, kv_heads, head_dim]` (a reshape, free) with block `j` of sequence `b` at
 `b * max_len / block + j`.
 
-Each block is read as `[block, kv_heads * head_dim]` (a free reshape outside the
-kernel: the DMA lands it in whole tiles, in the cache's dtype), so kv head `h` is the
-lane slice `[h * head_dim, (h + 1) * head_dim)`. Each kv head's query heads (padded
-to a float32 tile of 8 rows) score its slice alone: a step's softmax covers `group x
-block` scores per kv head. (The stop 44-49 kernel folded the kv heads into rows
-instead and let every query head score every row, other heads' rows masked: `kv_heads`
-times the scores, whose softmax bound a step with many queries per row.) The matmuls
-take bf16 operands (an int8 block converted, exactly), accumulating in float32.
+Each block is read as `[block * kv_heads, head_dim]` (the cache viewed with its kv
+heads folded into rows, a free reshape outside the kernel: the DMA lands it in the
+tiles the MXU takes, in the cache's dtype) and every query head scores every row;
+rows of other kv heads are masked. That multiplies the step's FLOPs by `kv_heads`,
+which a decode step has to spare (a Qwen3-0.6B row reads 4 KiB per cached token for
+64 kFLOP here: far below the MXU's rate per byte of HBM), in exchange for no relayout
+of the block. The matmuls take bf16 operands (an int8 block converted, exactly),
+accumulating in float32.
 
 An int8 cache comes with float32 scales per (token, kv head), stored tokens-minor
 (`[..., kv_heads, tokens]`: a `[kv_heads, block]` tile per block, tokens along the
-lanes): kv head `h`'s scores are multiplied by row `h` of the key scales, and its
-probabilities by row `h` of the value scales before `p @ v`. On a TPU v5e an int8
-block costs about what a bf16 one does (its conversion to bf16 on the vector units
+lanes). The score of column `(token t, kv head h)` is multiplied by
+`k_scale[h, t]` and each probability by `v_scale[h, t]` before `p @ v`; the scales
+reach those columns as one row each, by an exact one-pass 0/1 matmul and a masked
+sum over sublanes (`_scale_rows`), so no vector moves between lanes and sublanes.
+On a TPU v5e an int8 block costs about what a bf16 one does (its conversion to bf16
 is the bound, not its DMA): int8 reads half the bytes but does not yet decode faster.
 """
 
@@ -54,7 +54,7 @@ _MASKED = -1e30
 
 
 _LANES = 128
-_SUBLANES = 8  # rows of a float32 tile
+_PARTS = 3  # bf16 parts of a float32 scale
 DENSE_BLOCK = 128  # tokens per block of a dense cache (`decode_attention_dense`)
 
 
@@ -66,6 +66,8 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
         return f"int8 scales read in blocks of {int8_block} tokens (not a multiple of {_LANES})"
     if head_dim % 128:
         return f"head_dim {head_dim} is not a multiple of 128"
+    if kv_heads % 8:
+        return f"{kv_heads} kv heads per device (the kernel folds them into 8-row tiles)"
     if heads % kv_heads:
         return f"{heads} query heads do not group over {kv_heads} kv heads"
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
@@ -73,18 +75,46 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
     return None
 
 
+def _scale_rows(k_scales, v_scales, expand):
+    """`[kv_heads, block]` key and value scales as rows `[1, block * kv_heads]` over
+    the score columns: column `t * kv_heads + h` gets `scales[h, t]`.
+
+    One 0/1 matmul (`expand [sub, sub * kv_heads]`) repeats each token's scales over
+    its `kv_heads` columns, every head's in its own row; a masked sum over those rows
+    keeps each column's own head. The matmul runs on bf16 operands in one MXU pass
+    and stays exact: each float32 scale goes in as the sum of three bf16 parts
+    (24 bits of mantissa).
+    """
+    K, block = k_scales.shape
+    parts = []
+    for x in (k_scales, v_scales):
+        for _ in range(_PARTS):
+            part = x.astype(jnp.bfloat16).astype(jnp.float32)
+            parts.append(part)
+            x = x - part
+    stacked = jnp.concatenate(parts, axis=0).astype(jnp.bfloat16)  # [2 * _PARTS * K, block]
+    sub = expand.shape[0]
+    cols = [jnp.dot(stacked[:, i:i + sub], expand, preferred_element_type=jnp.float32) for i in range(0, block, sub)]
+    cols = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)  # [2 * _PARTS * K, block * K]
+    row = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 1)
+    kept = jnp.where(row % K == col % K, cols, 0.0)
+    half = _PARTS * K
+    return jnp.sum(kept[:half], axis=0, keepdims=True), jnp.sum(kept[half:], axis=0, keepdims=True)
+
+
 def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int, kv_heads: int,
-            head_dim: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool, dtype):
+            group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
-    # scale and value scale tiles; then the output (and its log-sum-exp) and the
-    # scratch. Each block is folded into the online softmax on its own, or
-    # (`concatenate`) the step's blocks as one.
+    # scale and value scale tiles; then the output (and its log-sum-exp), the scratch
+    # and (int8) the expansion. Each block is folded into the online softmax on its
+    # own, or (`concatenate`) the step's blocks as one.
     n = (4 if quantized else 2) * step_blocks
     k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
     ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
     outputs = 2 if with_lse else 1
     o_ref, lse_ref = rest[n], (rest[n + 1] if with_lse else None)
-    m_ref, l_ref, acc_ref = rest[n + outputs:]  # [kv_heads, group, lanes or head_dim]
+    (m_ref, l_ref, acc_ref), expand_refs = rest[n + outputs:n + outputs + 3], rest[n + outputs + 3:]
     t = pl.program_id(0)
     b, j = row_ref[t], step_ref[t]  # grid step t is step j of sequence b
     length = lengths_ref[b]
@@ -96,36 +126,46 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for expand_ref in expand_refs:  # token t of a sub-block -> its columns t * kv_heads + h
+            row = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
+            expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
-    def cat(parts, axis=0):
-        return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+    # Matmul operands in the cache's dtype (int8: bf16, exact), or q's where that is
+    # wider; float32 accumulation.
+    dtype = jnp.promote_types(q_ref.dtype, jnp.bfloat16 if quantized else k_refs[0].dtype)
+    q = q_ref[...].astype(dtype)  # [heads, head_dim]
+
+    def cat(refs, blocks, axis=0):
+        return jnp.concatenate([refs[i][...] for i in blocks], axis=axis) if len(blocks) > 1 else refs[blocks[0]][...]
 
     def fold(blocks):
         """Fold the step's `blocks` (consecutive, tokens from `start`) into the online softmax."""
         start = (first + blocks[0]) * block
-        for h in range(kv_heads):  # kv head h: lanes [h * head_dim, (h + 1) * head_dim) of each block
-            lanes = slice(h * head_dim, (h + 1) * head_dim)
-            q = q_ref[h].astype(dtype)  # [group, head_dim]
-            k = cat([k_refs[i][:, lanes] for i in blocks]).astype(dtype)  # [tokens, head_dim]
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            if quantized:
-                s = s * (cat([ks_refs[i][h:h + 1, :] for i in blocks], axis=1) * scale)
-            else:
-                s = s * scale
-            position = start + jax.lax.broadcasted_iota(jnp.int32, (1, s.shape[1]), 1)  # < 0: a dead slot
-            ok = (position >= 0) & (position < length)
-            s = jnp.where(ok, s, _MASKED)
-            m_prev = m_ref[h]  # [group, lanes], every lane the same
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
-            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-            if quantized:
-                p = p * cat([vs_refs[i][h:h + 1, :] for i in blocks], axis=1)
-            v = cat([v_refs[i][:, lanes] for i in blocks]).astype(dtype)
-            pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
-            m_ref[h] = m_new
+        k = cat(k_refs, blocks).astype(dtype)  # [tokens * kv_heads, head_dim]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        v_row = None
+        if quantized:
+            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand_refs[0][...])
+            s = s * (k_row * scale)
+        else:
+            s = s * scale
+        row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        position = start + col // kv_heads  # < 0: a concatenated step's dead slot
+        ok = (col % kv_heads == row // group) & (position >= 0) & (position < length)
+        s = jnp.where(ok, s, _MASKED)
+        m_prev = m_ref[...]  # [heads, lanes], every lane the same
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        if v_row is not None:
+            p = p * v_row
+        v = cat(v_refs, blocks).astype(dtype)
+        pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
+        m_ref[...] = m_new
 
     if concatenate:  # one fold, its dead slots (re-named live blocks) masked
         pl.when(first * block < length)(functools.partial(fold, tuple(range(step_blocks))))
@@ -135,8 +175,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
 
     @pl.when(j == ceil_div(blocks, step_blocks) - 1)
     def _():
-        o_ref[...] = (acc_ref[...] / l_ref[...][..., :1]).astype(o_ref.dtype)
-        if lse_ref is not None:  # [kv_heads, group, lanes], every lane the same
+        o_ref[...] = (acc_ref[...] / l_ref[...][:, :1]).astype(o_ref.dtype)
+        if lse_ref is not None:  # [heads, lanes], every lane the same
             lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
 
 
@@ -214,18 +254,12 @@ def decode_attention_blocks(
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_step", "with_lse", "interpret"))
 def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, with_lse: bool, interpret: bool):
-    """The kernel over `table`'s blocks; returns the output `[B, N, H]` and (`with_lse`)
-    the log-sum-exp `[B, N]`."""
     B, N, H = q.shape
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
-    G = N // K
-    Gp = ceil_div(G, _SUBLANES) * _SUBLANES  # each kv head's query heads, in whole float32 tiles
     n = max(1, min(tokens_per_step // block, P))  # blocks per grid step
     table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
     lengths = jnp.clip(lengths, 1, P * block).astype(jnp.int32)
-    # Queries [B, kv_heads, Gp, H] in float32 (a padded query scores zeros; its rows are dropped).
-    queries = jnp.pad(q.reshape(B, K, G, H).astype(jnp.float32), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
     def block_id(t, i, lengths_ref, table_ref, row_ref, step_ref):
         """The block operand `i` reads at grid step `t` (see `_first_slot`)."""
@@ -239,30 +273,31 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         def index(t, layer_ref, *refs):
             return layer_ref[0], block_id(t, i, *refs), 0, 0
 
-        return pl.BlockSpec((None, None, block, K * H), index)
+        return pl.BlockSpec((None, None, block * K, H), index)
 
-    def per_row(last):
-        return pl.BlockSpec((None, K, Gp, last), lambda t, layer_ref, lengths_ref, table_ref, row_ref, step_ref: (
-            row_ref[t], 0, 0, 0))
+    def row_spec(last):  # sequence b's own block
+        return pl.BlockSpec((None, N, last), lambda t, layer_ref, lengths_ref, table_ref, row_ref, step_ref: (
+            row_ref[t], 0, 0))
 
-    scratch = [pltpu.VMEM((K, Gp, _LANES), jnp.float32), pltpu.VMEM((K, Gp, _LANES), jnp.float32),
-               pltpu.VMEM((K, Gp, H), jnp.float32)]
-    in_specs = [per_row(H)] + [kv_spec(i) for i in range(n)] * 2
-    # Each block `[block, kv_heads * head_dim]` (a free reshape): kv head h is a slice of whole lane tiles.
-    flat = k.reshape(k.shape[0], num_blocks, block, K * H), v.reshape(v.shape[0], num_blocks, block, K * H)
-    operands = [queries] + [flat[0]] * n + [flat[1]] * n
+    q_spec = row_spec(H)
+    scratch = [pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, H), jnp.float32)]
+    in_specs = [q_spec] + [kv_spec(i) for i in range(n)] * 2
+    flat = k.reshape(k.shape[0], num_blocks, block * K, H), v.reshape(v.shape[0], num_blocks, block * K, H)
+    operands = [q] + [flat[0]] * n + [flat[1]] * n
     if scales is not None:
-        blocks_per_row = scales[0].shape[-1] // block
+        per_row = scales[0].shape[-1] // block
 
         def scale_spec(i):
             def index(t, layer_ref, *refs):
                 at = block_id(t, i, *refs)
-                return layer_ref[0], at // blocks_per_row, 0, at % blocks_per_row
+                return layer_ref[0], at // per_row, 0, at % per_row
 
             return pl.BlockSpec((None, None, K, block), index)
 
         in_specs += [scale_spec(i) for i in range(n)] * 2
         operands += [scales[0]] * n + [scales[1]] * n
+        sub = min(block, _LANES)
+        scratch.append(pltpu.VMEM((sub, sub * K), jnp.bfloat16))
     # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
     # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
     steps = ceil_div(ceil_div(lengths, block), n)  # [B], at least 1
@@ -270,20 +305,18 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     at = jnp.arange(B * ceil_div(P, n), dtype=jnp.int32)
     row_of = jnp.minimum(jnp.searchsorted(ends, at, side="right", method="scan_unrolled"), B - 1).astype(jnp.int32)
     step_of = (at - ends[row_of] + steps[row_of]).astype(jnp.int32)
-    out_specs, out_shape = [per_row(H)], [jax.ShapeDtypeStruct((B, K, Gp, H), q.dtype)]
-    if with_lse:  # every lane the same (a whole tile per row)
-        out_specs.append(per_row(_LANES))
-        out_shape.append(jax.ShapeDtypeStruct((B, K, Gp, _LANES), jnp.float32))
+    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if with_lse:  # [batch, heads, lanes], every lane the same (a whole tile per row)
+        out_specs.append(row_spec(_LANES))
+        out_shape.append(jax.ShapeDtypeStruct((B, N, _LANES), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5, grid=(ends[-1],), in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
-    # Matmul operands in the cache's dtype (int8: bf16, exact), or q's where that is wider.
-    dtype = jnp.promote_types(q.dtype, jnp.bfloat16 if scales is not None else k.dtype)
     # int8 blocks are bound by their compute, not their DMAs: one fold per step shares
     # its fixed costs (at stop 46, a concatenating form read 4k x 32 int8 at 23.9 ms a
     # step where folding block by block took 29-31).
-    kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, head_dim=H, scale=H**-0.5,
+    kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
                                quantized=scales is not None, concatenate=scales is not None and n > 1,
-                               with_lse=with_lse, dtype=dtype)
+                               with_lse=with_lse)
     outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -292,8 +325,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         interpret=interpret,
         name="decode_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, table, row_of, step_of, *operands)
-    out = outs[0][:, :, :G].reshape(B, N, H)
-    return out, (outs[1][:, :, :G, 0].reshape(B, N) if with_lse else None)
+    return outs[0], (outs[1] if with_lse else None)
 
 
 def dense_block(max_len: int, preferred: int = 512) -> int:
@@ -447,8 +479,8 @@ def decode_attention_blocks_shared(
     o_own, lse_own = _blocks(q, k, v, layer, after, lengths - skip * block, scales,
                              tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
     assert lse_own is not None
-    lse_pre = jnp.where(skip[:, None] > 0, _ungroup_queries(lse_pre, rows, K), -jnp.inf)
-    o, _ = merge_partials(o_own, lse_own, _ungroup_queries(o_pre, rows, K), lse_pre)
+    lse_pre = jnp.where(skip[:, None] > 0, _ungroup_queries(lse_pre[..., 0], rows, K), -jnp.inf)
+    o, _ = merge_partials(o_own, lse_own[..., 0], _ungroup_queries(o_pre, rows, K), lse_pre)
     return o.astype(q.dtype)
 
 
@@ -478,4 +510,4 @@ def _dense(q, k, v, layer, lengths, scales, rows, *, block: int, tokens_per_step
     table = rows[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
     out, lse = _blocks(q[:, 0], *blocks, layer, table, lengths, scales, tokens_per_step=tokens_per_step,
                        with_lse=with_lse, interpret=_interpret(interpret))
-    return out[:, None], (None if lse is None else lse[:, None])
+    return out[:, None], (None if lse is None else lse[:, None, :, 0])
