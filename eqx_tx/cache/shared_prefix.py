@@ -9,7 +9,13 @@ from jaxtyping import Array, Int
 
 from ..core.compute import ComputeConfig
 from ..core.sharding import AnyMesh
-from ..kernels.decode_tpu import decode_attention_dense_with_lse, decode_attention_shared_with_lse, kernel_options
+from ..kernels.decode_tpu import (
+    DENSE_BLOCK,
+    decode_attention_dense_with_lse,
+    decode_attention_shared_with_lse,
+    dense_block,
+    kernel_options,
+)
 from ..kernels.dispatch import CacheKind, select_attention
 from ..kernels.flash import merge_partials
 from ..kernels.mask import AttentionMask
@@ -40,21 +46,26 @@ class SharedPrefixCache(AbstractCache):
 
     @property
     def kind(self) -> CacheKind:
-        return "shared_prefix"
+        return "shared_prefix" if self.prompt.scales is None else "shared_prefix_int8"
+
+    @property
+    def block(self) -> int:
+        """The blocks the TPU decode kernel reads both parts in (each part's dense block)."""
+        return min(dense_block(part.k.shape[2], DENSE_BLOCK) for part in (self.prompt, self.completion))
 
     def attend(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
                mesh: AnyMesh | None):
         """Write the completion slots, then attend over prompt and completion.
 
-        Decoding with `compute.attention="decode_tpu"`, both parts are read in place
-        by the TPU decode kernel (`_attend_in_place`); otherwise each part's layer is
-        sliced out of its stack and attended blockwise."""
+        Decoding where `select_attention` takes the TPU decode kernel, both parts are
+        read in place (`_attend_in_place`); otherwise each part's layer is sliced out
+        of its stack and attended blockwise."""
         assert mask.kv_lengths is not None
-        if compute.attention == "decode_tpu" and q.shape[1] == 1:
-            return self._attend_in_place(q, k, v, layer=layer, positions=positions, mask=mask, compute=compute,
-                                         mesh=mesh)
-        choice = select_attention(q.shape, k.shape, q.dtype, cache=self.kind, q_offset=mask.q_offset, mesh=mesh,
-                                  compute=compute, segmented=mask.segment_ids is not None)
+        choice = select_attention(q.shape, self.prompt.k.shape[1:], q.dtype, cache=self.kind, q_offset=mask.q_offset,
+                                  mesh=mesh, compute=compute, segmented=mask.segment_ids is not None,
+                                  page_size=self.block)
+        if choice.backend == "decode_tpu":
+            return self._attend_in_place(q, k, v, layer=layer, positions=positions, mask=mask, compute=compute)
         assert choice.backend == "shared_prefix"
         completion = self._write(layer, k, v, positions)
         k_own, v_own = completion.layer(layer)
@@ -72,16 +83,12 @@ class SharedPrefixCache(AbstractCache):
         with jax.named_scope("cache_write"):
             return self.completion.write(layer, k, v, slots)
 
-    def _attend_in_place(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig,
-                         mesh: AnyMesh | None):
+    def _attend_in_place(self, q, k, v, *, layer, positions, mask: AttentionMask, compute: ComputeConfig):
         """One decoding query per sample on the TPU decode kernel: its own completion
         read in place, and its prompt's row read in place once for a group of the
         prompt's samples (`decode_attention_shared_with_lse`), merged by their
         log-sum-exps."""
         assert mask.kv_lengths is not None
-        for part in (self.prompt, self.completion):  # each checked as the dense cache it is (raises naming why)
-            select_attention(q.shape, part.k.shape[1:], q.dtype, cache=part.kind, q_offset=mask.q_offset, mesh=mesh,
-                             compute=compute)
         completion = self._write(layer, k, v, positions)
         options = kernel_options(compute, quantized=completion.scales is not None)
         o_own, lse_own = decode_attention_dense_with_lse(q, completion.k, completion.v, layer, mask.kv_lengths,

@@ -103,8 +103,8 @@ def _scale_rows(k_scales, v_scales, expand):
     return jnp.sum(kept[:half], axis=0, keepdims=True), jnp.sum(kept[half:], axis=0, keepdims=True)
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int, kv_heads: int,
-            group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool):
+def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
+            kv_heads: int, group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
     # scale and value scale tiles; then the output (and its log-sum-exp), the scratch
     # and (int8) the expansion. Each block is folded into the online softmax on its

@@ -10,7 +10,9 @@ once per distinct reason:
 - `"shared_prefix"`: `n` samples reading one stored prompt plus their own
   completions, merged by log-sum-exp (`eqx_tx.kernels.shared_prefix`).
 - `"decode_tpu"`: on a TPU, one query per sequence over a dense cache or page pool
-  (bf16 or int8) read in place by a Pallas kernel (`eqx_tx.kernels.decode_tpu`).
+  (bf16 or int8) read in place by a Pallas kernel (`eqx_tx.kernels.decode_tpu`);
+  for a shared prompt's samples, each one's completion read in place and the prompt
+  once per group of its samples.
 - `"paged"`: the engine's page pool, walked block by block (`eqx_tx.kernels.paged`);
   another requested implementation cannot read a page pool, which is logged.
 - `"cudnn"`, `"splash"`, `"blockwise"`, `"xla"`: the single-device kernels of
@@ -41,9 +43,15 @@ from .splash import LANES, head_sharding_mismatch, padded_length, splash_tile
 
 Backend = Literal["cudnn", "splash", "decode_tpu", "blockwise", "xla", "ring", "shared_prefix", "paged"]
 # What is read: no cache (a call's own keys), a dense cache (bf16/fp32 or int8), a
-# shared-prompt cache, a page pool (either dtype). Each cache kind names itself
-# (`eqx_tx.cache`).
-CacheKind = Literal["none", "dense", "int8", "shared_prefix", "paged", "paged_int8"]
+# shared-prompt cache (either dtype), a page pool (either dtype). Each cache kind
+# names itself (`eqx_tx.cache`).
+CacheKind = Literal["none", "dense", "int8", "shared_prefix", "shared_prefix_int8", "paged", "paged_int8"]
+_SHARED = ("shared_prefix", "shared_prefix_int8")
+# Measured on a TPU v5e (Qwen3-0.6B shape, 1k prompts x 8 samples x 8, bf16,
+# `benchmarks/decode_sweep.py --n 8`): 5.54 ms a decode step on the kernel, 7.80 ms
+# over the blockwise parts.
+_SHARED_IN_PLACE = ("each sample's completion read in place, its prompt once per group of its samples "
+                    "(1.4x the blockwise parts on a TPU v5e)")
 
 # Under "auto", queries*keys at or above this use blockwise instead of xla.
 AUTO_BLOCKWISE_MIN_SCORES = 512 * 512
@@ -128,7 +136,7 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, page_size: i
     platform = target_platform(mesh)
     if platform != "tpu" and not interpreted:
         return f"backend is {platform}, not tpu"
-    if cache not in ("dense", "int8", "paged", "paged_int8"):
+    if cache not in ("dense", "int8", "paged", "paged_int8", *_SHARED):
         return f"it reads a {cache} cache" if cache != "none" else "there is no KV cache"
     if q_shape[1] != 1:
         return f"{q_shape[1]} queries per sequence (the kernel decodes one)"
@@ -139,8 +147,8 @@ def _decode_reason(q_shape, k_shape, dtype, cache: CacheKind, mesh, page_size: i
     int8_block = None
     if cache == "int8":
         int8_block = dense_block(k_shape[1], DENSE_BLOCK)
-    elif cache == "paged_int8":
-        assert page_size is not None, "a page pool's page size"
+    elif cache in ("paged_int8", "shared_prefix_int8"):
+        assert page_size is not None, "a page pool's page size, or the blocks a shared prompt's parts are read in"
         int8_block = page_size
     return decode_tpu_reason(head_dim=q_shape[-1], kv_heads=k_shape[-2], heads=q_shape[2], dtype=dtype,
                              int8_block=int8_block)
@@ -164,11 +172,17 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         raise ValueError("segment ids (packed sequences) are for attention without a KV cache")
     if cache == "none" and mesh_axis_size(mesh, "sp") > 1:
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
-    if cache == "shared_prefix":
-        return AttentionChoice("shared_prefix", "prompt and completion parts, blockwise, merged by log-sum-exp; "
-                                                "decode_tpu reads them in place only when asked for by name (reading a "
-                                                "prompt once per sample, 1.8x slower on a TPU v5e; once per group of "
-                                                "samples, not yet measured)")
+    if cache in _SHARED:
+        if T == 1 and requested == "decode_tpu":
+            return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)
+        why = ""
+        if T == 1:
+            decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, page_size)
+            if requested == "auto" and decode_reason is None:
+                return AttentionChoice("decode_tpu", _SHARED_IN_PLACE)
+            if decode_reason is not None and target_platform(mesh) == "tpu":
+                why = f"; not decode_tpu because {decode_reason}"
+        return AttentionChoice("shared_prefix", f"prompt and completion parts, blockwise, merged by log-sum-exp{why}")
     if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
         if T == 1 and cache != "none":
             return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)
@@ -242,7 +256,7 @@ def select_attention(
       (`[batch, kv_seq, kv_heads, head_dim]`; a cache's whole length).
     - `dtype`: the queries' dtype.
     - `cache`: `"none"` (training, full forward), `"dense"` or `"int8"` (a KV cache),
-      `"shared_prefix"` or `"paged"`.
+      `"shared_prefix"` (`_int8`) or `"paged"` (`_int8`).
     - `q_offset`: where the queries start; the Python int `0` lets cuDNN's causal
       mask run.
     - `mesh`: the mesh being compiled for (`None`: one device).
@@ -250,7 +264,7 @@ def select_attention(
     - `segmented`: the queries carry segment ids (packed documents); cuDNN then
       falls back to blockwise, logged.
     - `page_size`: a page pool's tokens per page (an int8 pool's scales are read a
-      page at a time).
+      page at a time); for a shared prompt, the blocks its parts are read in.
 
     **Returns:** an `AttentionChoice` with its tile sizes; a request that cannot run
     raises `ValueError`.

@@ -153,7 +153,15 @@ def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
     assert choice.backend == "paged" and "blocks of 16 tokens" in choice.reason, choice
     with pytest.raises(ValueError, match="'decode_tpu' cannot run: int8 scales read in blocks of 16"):
         _choose(cache="paged_int8", page_size=16, attention="decode_tpu")
+    # A shared prompt's samples: both parts in place under auto, where the int8 blocks of both parts are whole.
+    assert _choose(cache="shared_prefix").backend == "decode_tpu"
+    assert _choose(cache="shared_prefix_int8", page_size=128).backend == "decode_tpu"
+    choice = _choose(cache="shared_prefix_int8", page_size=64)
+    assert choice.backend == "shared_prefix" and "blocks of 64 tokens" in choice.reason, choice
+    assert _choose(cache="shared_prefix", attention="xla").backend == "shared_prefix"
+    assert _choose(q=(64, 4, 16, 128), cache="shared_prefix").backend == "shared_prefix"  # not decoding
     monkeypatch.setattr(dispatch, "target_platform", lambda mesh: "cpu")
+    assert _choose(cache="shared_prefix").backend == "shared_prefix"
     assert "Pallas interpreter" in _choose(q=(4, 1, 4, 16), k=(4, 64, 2, 16), attention="decode_tpu").reason
     for cache in ("int8", "paged_int8"):  # the interpreter takes any block
         assert _choose(cache=cache, page_size=16, attention="decode_tpu").backend == "decode_tpu"
