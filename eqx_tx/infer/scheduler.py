@@ -458,10 +458,11 @@ class Scheduler:
                            np.asarray(at, np.int32) if share_rows else None, share_rows)
 
     def _runs(self, running: Sequence[Request]) -> list[Request | None] | None:
-        """`running` laid out in runs of `share_rows` rows, each of requests whose first
-        page is one page (the samples of a prompt, or requests of one cached system
-        prompt) and padded with `None`, then, packed, the requests left without a partner.
-        `None` if no two requests share a first page, or the layout does not fit the slots."""
+        """`running` laid out in runs of `share_rows` rows, each of at least half as many
+        requests whose first page is one page (the samples of a prompt, or requests of
+        one cached system prompt) and padded with `None`, then, packed, the requests left
+        over (padding rows cost decode rows: the MLP, LM head and sampler run on them).
+        `None` if no run forms, or the layout does not fit the slots."""
         w = self.share_rows
         if w < 2:
             return None
@@ -471,7 +472,7 @@ class Scheduler:
         layout: list[Request | None] = []
         alone: list[Request] = []
         for members in by_first.values():
-            while len(members) > 1:
+            while len(members) >= max(2, w // 2):
                 run, members = members[:w], members[w:]
                 layout += run + [None] * (w - len(run))
             alone += members

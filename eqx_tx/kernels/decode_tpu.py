@@ -104,20 +104,23 @@ def _scale_rows(k_scales, v_scales, expand):
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
-            kv_heads: int, group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool):
+            kv_heads: int, group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool,
+            aliased: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
-    # scale and value scale tiles; then the output (and its log-sum-exp), the scratch
-    # and (int8) the expansion. Each block is folded into the online softmax on its
-    # own, or (`concatenate`) the step's blocks as one.
-    n = (4 if quantized else 2) * step_blocks
-    k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
-    ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
+    # scale and value scale tiles; (`aliased`) the outputs' initial values, untouched
+    # here; then the output (and its log-sum-exp), the scratch and (int8) the
+    # expansion. Each block is folded into the online softmax on its own, or
+    # (`concatenate`) the step's blocks as one.
     outputs = 2 if with_lse else 1
+    k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
+    n = (4 if quantized else 2) * step_blocks
+    ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
+    n += outputs if aliased else 0
     o_ref, lse_ref = rest[n], (rest[n + 1] if with_lse else None)
     (m_ref, l_ref, acc_ref), expand_refs = rest[n + outputs:n + outputs + 3], rest[n + outputs + 3:]
     t = pl.program_id(0)
     b, j = row_ref[t], step_ref[t]  # grid step t is step j of sequence b
-    length = lengths_ref[b]
+    length = lengths_ref[b]  # 0: no keys (only when every sequence has none: a grid of one step)
     blocks = ceil_div(length, block)
     first = _first_slot(blocks, j, step_blocks=step_blocks)
 
@@ -173,11 +176,12 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         for i in range(step_blocks):
             pl.when((first + i >= 0) & ((first + i) * block < length))(functools.partial(fold, (i,)))
 
-    @pl.when(j == ceil_div(blocks, step_blocks) - 1)
+    @pl.when(j == jnp.maximum(ceil_div(blocks, step_blocks), 1) - 1)
     def _():
-        o_ref[...] = (acc_ref[...] / l_ref[...][:, :1]).astype(o_ref.dtype)
+        l = l_ref[...]  # 0 only without keys
+        o_ref[...] = jnp.where(l[:, :1] > 0, acc_ref[...] / l[:, :1], 0.0).astype(o_ref.dtype)
         if lse_ref is not None:  # [heads, lanes], every lane the same
-            lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+            lse_ref[...] = jnp.where(l > 0, m_ref[...] + jnp.log(l), -jnp.inf)
 
 
 def _first_slot(blocks, j, *, step_blocks: int):
@@ -231,7 +235,9 @@ def decode_attention_blocks(
     - `k`, `v`: every layer's blocks of keys/values (int8 with `scales`).
     - `layer`: the layer read.
     - `table`: sequence `b`'s blocks in order; only the first
-      `ceil(lengths[b] / block)` are read (later entries may be anything).
+      `ceil(lengths[b] / block)` are read (later entries may be anything). A row
+      whose first entry is outside the blocks (`>= blocks`: an engine's padding row)
+      has no keys and costs nothing: its output is zeros.
     - `lengths`: sequence `b` attends to its keys `[0, lengths[b])` (clipped to at
       least 1 and at most the table's blocks: a finished row whose writes were dropped
       still reads something, and never past its table).
@@ -248,23 +254,28 @@ def decode_attention_blocks(
     **Returns:** the attention output, like `q`.
     """
     out, _ = _blocks(q, k, v, layer, table, lengths, scales, tokens_per_step=tokens_per_step, with_lse=False,
-                     interpret=_interpret(interpret))
+                     keyless=True, interpret=_interpret(interpret))
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("tokens_per_step", "with_lse", "interpret"))
-def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, with_lse: bool, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("tokens_per_step", "with_lse", "keyless", "interpret"))
+def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, with_lse: bool, keyless: bool,
+            interpret: bool):
+    """The kernel; `keyless`: a row whose first table entry is outside the blocks has
+    no keys (no grid step; its output zeros, its log-sum-exp -inf)."""
     B, N, H = q.shape
     _, num_blocks, block, K, _ = k.shape
     P = table.shape[1]
     n = max(1, min(tokens_per_step // block, P))  # blocks per grid step
-    table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
     lengths = jnp.clip(lengths, 1, P * block).astype(jnp.int32)
+    if keyless:
+        lengths = jnp.where(table[:, 0] < num_blocks, lengths, 0)
+    table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
 
     def block_id(t, i, lengths_ref, table_ref, row_ref, step_ref):
         """The block operand `i` reads at grid step `t` (see `_first_slot`)."""
         b = row_ref[t]
-        blocks = ceil_div(lengths_ref[b], block)
+        blocks = jnp.maximum(ceil_div(lengths_ref[b], block), 1)
         slot = _first_slot(blocks, step_ref[t], step_blocks=n) + i
         slot = jnp.where(slot < 0, slot + n, slot)
         return table_ref[b * P + jnp.clip(slot, 0, blocks - 1)]
@@ -300,7 +311,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         scratch.append(pltpu.VMEM((sub, sub * K), jnp.bfloat16))
     # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
     # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
-    steps = ceil_div(ceil_div(lengths, block), n)  # [B], at least 1
+    steps = ceil_div(ceil_div(lengths, block), n)  # [B]; 0 without keys
     ends = jnp.cumsum(steps)
     at = jnp.arange(B * ceil_div(P, n), dtype=jnp.int32)
     row_of = jnp.minimum(jnp.searchsorted(ends, at, side="right", method="scan_unrolled"), B - 1).astype(jnp.int32)
@@ -309,18 +320,26 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     if with_lse:  # [batch, heads, lanes], every lane the same (a whole tile per row)
         out_specs.append(row_spec(_LANES))
         out_shape.append(jax.ShapeDtypeStruct((B, N, _LANES), jnp.float32))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5, grid=(ends[-1],), in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
+    aliases = {}
+    if keyless:  # a row without keys is never visited: its outputs keep these values (in place)
+        inits = [jnp.zeros(q.shape, q.dtype), jnp.full((B, N, _LANES), -jnp.inf, jnp.float32)][:len(out_shape)]
+        aliases = {5 + len(operands) + i: i for i in range(len(inits))}  # counting the 5 scalar-prefetch operands
+        in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(inits)
+        operands += inits
+    # At least one grid step: without any keys, it writes the last row's outputs as their initial values.
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=5, grid=(jnp.maximum(ends[-1], 1),),
+                                             in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
     # int8 blocks are bound by their compute, not their DMAs: one fold per step shares
     # its fixed costs (at stop 46, a concatenating form read 4k x 32 int8 at 23.9 ms a
     # step where folding block by block took 29-31).
     kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
                                quantized=scales is not None, concatenate=scales is not None and n > 1,
-                               with_lse=with_lse)
+                               with_lse=with_lse, aliased=keyless)
     outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
         name="decode_attention",
@@ -455,8 +474,8 @@ def decode_attention_blocks_shared(
     head, as `decode_attention_shared_with_lse` groups a prompt's samples), each
     sequence to its blocks after them on its own, and the two parts are merged by their
     log-sum-exps: the same attention, with the shared blocks' bytes read once per run
-    instead of once per sequence. A run that shares nothing (`m = 0`) costs one block's read of
-    waste. The batch must be a multiple of `rows`.
+    instead of once per sequence. A run that shares nothing (`m = 0`), and a padding row,
+    cost no grid step. The batch must be a multiple of `rows`.
 
     Arguments as for `decode_attention_blocks`.
     """
@@ -471,13 +490,14 @@ def decode_attention_blocks_shared(
     same = jnp.all((runs == runs[:, :1]) | ~live_runs[..., None], axis=1)  # [runs, P]: the live rows agree
     last = jnp.min(jnp.where(live_runs, ((lengths - 1) // block).reshape(B // rows, rows), P), axis=1)
     shared = jnp.where(live_runs[:, 0], jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1), last), 0)
-    o_pre, lse_pre = _blocks(_group_queries(q, rows, K), k, v, layer, runs[:, 0], shared * block, scales,
-                             tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
+    prefix = jnp.where(shared[:, None] > 0, runs[:, 0], num_blocks)  # a run that shares nothing has no keys
+    o_pre, lse_pre = _blocks(_group_queries(q, rows, K), k, v, layer, prefix, shared * block, scales,
+                             tokens_per_step=tokens_per_step, with_lse=True, keyless=True, interpret=interpret)
     assert lse_pre is not None
     skip = jnp.where(live, jnp.repeat(shared, rows), 0)  # [B]
     after = jnp.take_along_axis(table, jnp.minimum(jnp.arange(P)[None, :] + skip[:, None], P - 1), axis=1)
     o_own, lse_own = _blocks(q, k, v, layer, after, lengths - skip * block, scales,
-                             tokens_per_step=tokens_per_step, with_lse=True, interpret=interpret)
+                             tokens_per_step=tokens_per_step, with_lse=True, keyless=True, interpret=interpret)
     assert lse_own is not None
     lse_pre = jnp.where(skip[:, None] > 0, _ungroup_queries(lse_pre[..., 0], rows, K), -jnp.inf)
     o, _ = merge_partials(o_own, lse_own[..., 0], _ungroup_queries(o_pre, rows, K), lse_pre)
@@ -509,5 +529,5 @@ def _dense(q, k, v, layer, lengths, scales, rows, *, block: int, tokens_per_step
     rows = jnp.arange(q.shape[0]) if rows is None else rows
     table = rows[:, None] * (S // blk) + jnp.arange(S // blk)[None, :]
     out, lse = _blocks(q[:, 0], *blocks, layer, table, lengths, scales, tokens_per_step=tokens_per_step,
-                       with_lse=with_lse, interpret=_interpret(interpret))
+                       with_lse=with_lse, keyless=False, interpret=_interpret(interpret))
     return out[:, None], (None if lse is None else lse[:, None, :, 0])

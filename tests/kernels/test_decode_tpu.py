@@ -63,12 +63,33 @@ def test_blocks_through_a_table_equal_the_reference(tokens_per_step):
     k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) for _ in range(2))
     order = rng.permutation(pages)
     table = np.array([order[:4], order[4:8], np.r_[order[8:10], pages, pages]])
-    lengths = np.array([40, 33, 20])  # 3 of the 4 blocks of the widest table: the grid stops at the longest
+    lengths = np.array([40, 33, 20])  # 3, 3 and 2 of 4 blocks: the grid covers each sequence's own steps
     q = rng.standard_normal((3, N, H)).astype(np.float32)
     out = decode_attention_blocks(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(0), jnp.asarray(table),
                                   jnp.asarray(lengths), tokens_per_step=tokens_per_step, interpret=True)
     gathered = lambda x: np.stack([x[0, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
     np.testing.assert_allclose(np.asarray(out), _reference(q, gathered(k), gathered(v), lengths), atol=1e-5)
+
+
+def test_rows_without_a_block_in_the_pool_read_nothing_and_give_zeros():
+    """An engine's padding row (its table outside the pool) has no grid step: its output
+    is zeros and the other rows' are as alone; with no row holding a block, all zeros."""
+    L, pages, page, K, H, N = 1, 6, 16, 2, 128, 4
+    rng = np.random.default_rng(2)
+    k, v = (rng.standard_normal((L, pages, page, K, H)).astype(np.float32) for _ in range(2))
+    table = np.array([[pages] * 3, [4, 1, 0], [pages] * 3, [2, 5, 3]])
+    lengths = np.array([1, 40, 1, 17])
+    q = rng.standard_normal((4, N, H)).astype(np.float32)
+    run = lambda t, n: np.asarray(decode_attention_blocks(  # noqa: E731
+        jnp.asarray(q[:len(t)]), jnp.asarray(k), jnp.asarray(v), jnp.asarray(0), jnp.asarray(t),
+        jnp.asarray(lengths[:len(t)]), tokens_per_step=n, interpret=True))
+    for tokens_per_step in (16, 32):
+        out = run(table, tokens_per_step)
+        np.testing.assert_array_equal(out[[0, 2]], 0.0)
+        gathered = lambda x: np.stack([x[0, row].reshape(-1, K, H) for row in table[[1, 3]]])  # noqa: E731
+        np.testing.assert_allclose(out[[1, 3]], _reference(q[[1, 3]], gathered(k), gathered(v), lengths[[1, 3]]),
+                                   atol=1e-5)
+        np.testing.assert_array_equal(run(table[[0, 2]], tokens_per_step), 0.0)
 
 
 def _quantized(x):
