@@ -59,13 +59,13 @@ def attempt(model, cfg, prompt: int, new: int, dtype: str, batch: int, args: Arg
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     params = [SamplingParams(max_new_tokens=new, stop_token_ids=())] * batch
-    plan, seq_params, samples = generation._plan(prompts, params, 1, False, args.prefill_chunk)
-    cache = jax.eval_shape(lambda: generation._cache_for(model, plan.P, plan.cache_len, cache_dtype))
+    plan, seq_params, samples = generation.plan_requests(prompts, params, 1, False, args.prefill_chunk)
+    cache = jax.eval_shape(lambda: generation.cache_for(model, plan.P, plan.cache_len, cache_dtype))
     tokens, lengths = jnp.asarray(plan.tokens), jnp.asarray(plan.lengths)
     prefill_temp = generation.prefill.lower(model, cache, tokens, lengths, chunk=plan.chunk, compute=compute).compile(
     ).memory_analysis().temp_size_in_bytes
     sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples)
-    state = generation._prefill_state(model, plan, cache_dtype, compute)
+    state = generation.prefill_state(model, plan, cache_dtype, compute)
     steps = jnp.asarray(2, jnp.int32)
     decode_temp = generation.decode.lower(model, state, sampler, steps, compute=compute).compile(
     ).memory_analysis().temp_size_in_bytes

@@ -103,8 +103,8 @@ def main() -> None:
                 times[name] = float(np.median(samples))
             step_ms = 1e3 * (times["long"] - times["short"]) / (args.new - args.new // 4)
             # The compiled decode loop of this batch (the program that runs the steps).
-            plan, seq_params, samples_ = generation._plan(prompts, [long] * b, 1, True, None)
-            state = generation._prefill_state(model, plan, None, compute)
+            plan, seq_params, samples_ = generation.plan_requests(prompts, [long] * b, 1, True, None)
+            state = generation.prefill_state(model, plan, None, compute)
             sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples_)
             hlo = generation.decode.lower(model, state, sampler, jnp.asarray(args.new, jnp.int32),
                                           compute=compute).compile().as_text()

@@ -70,10 +70,10 @@ def measure(model, cfg, context: int, batch: int, dtype: str, attention: str, to
     prompts = rng.integers(0, cfg.vocab_size, (batch // args.n, context)).tolist()
     timed = args.steps * (1 if args.profile_dir is None else 2)  # the traced call decodes after the timed one
     params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=())] * len(prompts)
-    plan, seq_params, samples = generation._plan(prompts, params, args.n, True, None)
+    plan, seq_params, samples = generation.plan_requests(prompts, params, args.n, True, None)
     sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples)
     t = time.perf_counter()
-    state = generation._prefill_state(model, plan, None if dtype == "bf16" else "int8", compute)
+    state = generation.prefill_state(model, plan, None if dtype == "bf16" else "int8", compute)
     state = generation.decode(model, state, sampler, jnp.asarray(args.warm, jnp.int32), compute=compute)
     jax.block_until_ready(state)
     first_s = time.perf_counter() - t

@@ -117,21 +117,42 @@ def test_every_import_points_down():
     assert not wrong, "imports pointing up or across:\n" + "\n".join(wrong)
 
 
+def _private_uses(path: str) -> list[str]:
+    """The `_private` names a file takes from eqx_tx: imported (`from eqx_tx.x import
+    _y`), or read off a name it imported from eqx_tx (`generation._y`)."""
+    tree = ast.parse(open(path).read(), path)
+    imported, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("eqx_tx")):
+            found += [a.name for a in node.names if a.name.startswith("_")]
+            imported |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("eqx_tx")}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
 def test_no_private_names_cross_modules():
-    """No module imports another module's `_private` name (tools and benchmarks too)."""
+    """No module takes another module's `_private` name (tools and benchmarks too)."""
     root = os.path.dirname(PACKAGE)
     found = []
     for folder in ("eqx_tx", "tools", "benchmarks"):
         for dirpath, _, files in os.walk(os.path.join(root, folder)):
             for name in files:
-                if not name.endswith(".py"):
-                    continue
-                path = os.path.join(dirpath, name)
-                for node in ast.walk(ast.parse(open(path).read(), path)):
-                    if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("eqx_tx")):
-                        found += [f"{os.path.relpath(path, root)}: {a.name}" for a in node.names
-                                  if a.name.startswith("_")]
-    assert not found, "private names imported across modules:\n" + "\n".join(found)
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    found += [f"{os.path.relpath(path, root)}: {use}" for use in _private_uses(path)]
+    assert not found, "private names taken across modules:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_a_private_attribute(tmp_path):
+    path = tmp_path / "bench.py"
+    path.write_text("from eqx_tx.infer import generation\nimport eqx_tx\n"
+                    "generation._plan()\neqx_tx._x\ngeneration.plan_requests()\ngeneration.__doc__\n")
+    assert sorted(_private_uses(str(path))) == ["eqx_tx._x", "generation._plan"]
 
 
 def test_no_import_cycles():

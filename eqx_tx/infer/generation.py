@@ -6,6 +6,10 @@
 - **Decode** is one jitted function holding a `lax.while_loop` over new tokens that
   stops as soon as every sequence has stopped. The cache is donated into both
   functions and updated in place.
+
+`generate` is `plan_requests` (the sizes of the call), `prefill_state` (the prompts
+prefilled into a cache from `cache_for`: the loop's first state), then `decode`; the
+pieces are public so that benchmarks can time and analyse the loop alone.
 """
 
 import dataclasses
@@ -157,7 +161,7 @@ def decode(model: CausalLM, state: DecodeState, sampler: SamplerArrays, num_step
     return jax.lax.while_loop(cond, body, state)
 
 
-def _cache_for(model: CausalLM, batch: int, max_len: int, dtype) -> KVCache:
+def cache_for(model: CausalLM, batch: int, max_len: int, dtype) -> KVCache:
     """A zero cache for `model` on the context mesh (`dtype` None: the model's)."""
     return new_cache(model.config, batch, max_len, model.dtype if dtype is None else dtype, mesh=current_mesh())
 
@@ -185,7 +189,7 @@ def _pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int | None) -> tu
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
     """The sizes of one `generate` call: `P` prompt rows prefilled, `S` sequences decoded."""
 
     shared: bool  # n samples per prompt read one stored prompt (S = P * n)
@@ -205,7 +209,8 @@ class _Plan:
         return self.P * self.n if self.shared else self.P
 
 
-def _plan(prompts, params, n: int, share_prefix: bool, prefill_chunk_size) -> tuple[_Plan, list[SamplingParams], list[int]]:
+def plan_requests(prompts, params, n: int, share_prefix: bool,
+                  prefill_chunk_size) -> tuple[Plan, list[SamplingParams], list[int]]:
     """Expand the requests for `n` samples and size the caches.
 
     **Returns:** the plan, the sampling params of each decoded sequence, and which of
@@ -221,20 +226,20 @@ def _plan(prompts, params, n: int, share_prefix: bool, prefill_chunk_size) -> tu
         cache_len = _bucket(int(lengths.max()), cache_multiple())
     else:
         cache_len = _bucket(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
-    plan = _Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
+    plan = Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
     sequence_params = [sp for sp in params for _ in range(n)] if shared else params
     samples = list(range(n)) * (plan.S // n)
     return plan, sequence_params, samples
 
 
-def _prefill_state(model: CausalLM, plan: _Plan, cache_dtype, compute: ComputeConfig) -> DecodeState:
+def prefill_state(model: CausalLM, plan: Plan, cache_dtype, compute: ComputeConfig) -> DecodeState:
     """Prefill the prompts and build the decode loop's initial state."""
-    cache = _cache_for(model, plan.P, plan.cache_len, cache_dtype)
+    cache = cache_for(model, plan.P, plan.cache_len, cache_dtype)
     cache, logits = prefill(model, cache, jnp.asarray(plan.tokens), jnp.asarray(plan.lengths), chunk=plan.chunk,
                             compute=compute)
     lengths = plan.lengths
     if plan.shared:  # the completion caches exist only after prefill: peak = max, not sum
-        completion = _cache_for(model, plan.S, round_up(plan.max_new, cache_multiple()), cache_dtype)
+        completion = cache_for(model, plan.S, round_up(plan.max_new, cache_multiple()), cache_dtype)
         cache = SharedPrefixCache(cache, completion, jnp.asarray(plan.lengths))
         logits = jnp.repeat(logits, plan.n, axis=0)
         lengths = np.repeat(lengths, plan.n)
@@ -319,7 +324,7 @@ def generate(
     """
     config = model.config
     prompts, params = check_requests(config, prompts, params, n, prefill_chunk_size)
-    plan, sequence_params, samples = _plan(prompts, params, n, share_prefix, prefill_chunk_size)
+    plan, sequence_params, samples = plan_requests(prompts, params, n, share_prefix, prefill_chunk_size)
     sampler = SamplerArrays.from_params(sequence_params, config.eos_token_ids, config.vocab_size, samples)
     ids = None if adapters is None else np.asarray(adapters, np.int32)
     check_adapter_ids(model, ids, len(prompts), name="adapters")
@@ -328,7 +333,7 @@ def generate(
         prefill_model = select_adapters(model, ids if plan.shared else np.repeat(ids, plan.P // len(prompts)))
         decode_model = select_adapters(model, np.repeat(ids, plan.S // len(prompts)))
     with mesh_context(model):
-        state = _prefill_state(prefill_model, plan, cache_dtype, compute)
+        state = prefill_state(prefill_model, plan, cache_dtype, compute)
         state = _decode_streaming(decode_model, state, sampler, compute=compute, stream_every=stream_every,
                                   on_tokens=on_tokens)
     return _results(state)
@@ -410,6 +415,6 @@ def teacher_forced_logits(
     steps = steps.pop()
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     with mesh_context(model):
-        cache = _cache_for(model, len(prompts), _bucket(int(lengths.max()) + steps, cache_multiple()), cache_dtype)
+        cache = cache_for(model, len(prompts), _bucket(int(lengths.max()) + steps, cache_multiple()), cache_dtype)
         return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)
