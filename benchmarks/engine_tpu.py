@@ -53,33 +53,21 @@ def timed_run(engine, requests, cfg, kv: str, args: Args) -> dict:
     generated tokens/s and its decode-only steps' (those that ran no prefill chunk)
     tokens/s and share of their own roofline (each step's rows and the keys/values they
     held before it, every weight read once per step)."""
-    prefills = []
-    passes = {name: getattr(engine.runner, name) for name in ("prefill", "mixed")}
-
-    def counting(run):
-        def counted(*a, **k):  # which steps ran a prefill chunk (alone or beside the decode rows)
-            prefills.append(1)
-            return run(*a, **k)
-        return counted
-
-    for name, run in passes.items():
-        setattr(engine.runner, name, counting(run))
     for prompt, params in requests:
         engine.add(prompt, params)
     generated, decode_s, decode_tokens, decode_bytes, seconds = 0, 0.0, 0, 0.0, 0.0
     while engine.has_work():
-        held, ran = engine.stats()["tokens_held"], len(prefills)  # counted page by page: outside the timed steps
+        held = engine.stats()["tokens_held"]  # counted page by page: outside the timed steps
+        ran = engine.scheduler.prefill_chunks
         t = time.perf_counter()
         events = engine.step()  # returns host tokens: the step has finished
         dt = time.perf_counter() - t
         seconds += dt
         generated += len(events)
-        if len(prefills) == ran and events:
+        if engine.scheduler.prefill_chunks == ran and events:  # a step that ran no prefill chunk
             decode_s += dt
             decode_tokens += len(events)
             decode_bytes += decode_bytes_per_token(cfg, 2, kv_length=held, kv_bytes=kv_element_bytes(cfg.head_dim, kv))
-    for name, run in passes.items():
-        setattr(engine.runner, name, run)
     for i in list(engine.scheduler.finished):
         engine.result(i)
     return {"tokens_per_s": round(generated / seconds), "seconds": round(seconds, 2),

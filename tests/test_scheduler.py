@@ -135,6 +135,7 @@ def test_samples_of_a_prompt_decode_in_runs_that_share_its_pages():
     sched.schedule = lambda: plans.append(schedule()) or plans[-1]
     events, _ = _run(sched, token_of=lambda request_id, i: 7 + (request_id + i) % 5)
     assert set(events) == set(ids)
+    assert sched.stats()["prefill_chunks"] == sum(p.prefill is not None for p in plans) > 0
     shared = [p.decode for p in plans if p.decode is not None and p.decode.share_rows]
     assert shared, "no step ran in runs"
     runs = []

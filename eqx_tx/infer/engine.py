@@ -200,7 +200,7 @@ class Engine:
 
     def stats(self) -> dict:
         """`Scheduler.stats`: pages referenced and cached, the prefix cache's hit rate,
-        preemptions, the tokens held (a shared page's once) and read by a decode step
+        preemptions, prefill chunks planned, the tokens held (a shared page's once) and read by a decode step
         (once per request), requests waiting and running."""
         return self.scheduler.stats()
 

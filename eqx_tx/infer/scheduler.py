@@ -167,6 +167,7 @@ class Scheduler:
         self.table = np.full((max_seqs, pages_per_seq), num_pages, np.int32)
         self.pool = PagePool(num_pages, page_size)
         self.prompt_tokens = self.cached_tokens = self.preemptions = self._admissions = 0
+        self.prefill_chunks = 0  # prefill chunks planned (each one pass, alone or beside the decode rows)
         self.slots: list[Request | None] = [None] * max_seqs
         self.waiting: collections.deque[Request] = collections.deque()
         self.finished: dict[int, Generation] = {}
@@ -214,6 +215,7 @@ class Scheduler:
     def stats(self) -> dict:
         """Pages referenced and cached, the prefix cache's hit rate (the share of
         admitted prompt tokens whose keys/values came from the cache), preemptions, the
+        prefill chunks planned (each one pass, alone or beside the decode rows), the
         tokens whose keys/values the requests in slots hold (`tokens_held`: a shared
         page's once) and read (`tokens_read`: a shared page's once per request, as a
         decode step reads them), and the requests waiting for a slot and holding one."""
@@ -229,6 +231,7 @@ class Scheduler:
         return dict(pages=self.num_pages, pages_in_use=self.pool.referenced, pages_cached=self.pool.cached,
                     prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
                     hit_rate=self.cached_tokens / max(self.prompt_tokens, 1), preemptions=self.preemptions,
+                    prefill_chunks=self.prefill_chunks,
                     tokens_held=sum(held.values()), tokens_read=read,
                     waiting=len(self.waiting), running=sum(r is not None for r in self.slots))
 
@@ -411,6 +414,7 @@ class Scheduler:
             if r.running:
                 self.pool.register(r.context, r.pages, namespace=r.namespace)  # later requests may share them
         top_k = self.scored_alternatives(max((r.score[1] for r in scoring if r.score is not None), default=0))
+        self.prefill_chunks += 1
         return PrefillBatch(rows, table, tokens, start, length, self._adapter_ids(pending, P), tuple(pending), targets,
                             top_k)
 
