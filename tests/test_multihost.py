@@ -109,7 +109,7 @@ def test_lora_dp8_two_processes_like_one(checkpoints, data, tmp_path):
     a = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
     for k in a:
-        np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=1e-3, err_msg=k)  # as `_assert_states_equal`
 
 
 def test_two_processes_train_like_one_and_resume_across_process_counts(checkpoints, data, straight, tmp_path):

@@ -9,11 +9,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 
 from ..core.sharding import abstract_with_shardings, tree_shardings
+from ..kernels.dispatch import target_platform
 from .dense import KVCache
 from .paged import PagedKVCache
+from .storage import storage_dtype
 
 
 class CacheShape(Protocol):
@@ -39,14 +40,16 @@ def new_cache(
 
     - `config`: the model's architecture (`TransformerConfig`).
     - `batch`, `max_len`: the cache's size.
-    - `dtype`: the storage dtype; `int8` stores int8 values with float32 scales.
+    - `dtype`: the keys' and values' dtype; `int8` stores int8 values with float32
+      scales; bf16 is stored as its bit patterns when the mesh is on CPU
+      (`storage_dtype`).
     - `mesh`: place (or describe) the cache on this mesh (`None`: one device).
     - `abstract`: return sharded `jax.ShapeDtypeStruct`s instead of arrays (for
       compile-only memory analysis).
     """
     return _placed(KVCache.zeros, dict(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
                                        kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                       dtype=jnp.dtype(dtype)), mesh, abstract)
+                                       dtype=storage_dtype(dtype, target_platform(mesh))), mesh, abstract)
 
 
 def new_paged_cache(
@@ -58,7 +61,8 @@ def new_paged_cache(
     `new_cache` (kv heads over `tp`)."""
     return _placed(PagedKVCache.zeros, dict(layers=config.num_hidden_layers, pages=pages, page_size=page_size,
                                             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                            dtype=jnp.dtype(dtype), batch=batch, pages_per_seq=pages_per_seq),
+                                            dtype=storage_dtype(dtype, target_platform(mesh)), batch=batch,
+                                            pages_per_seq=pages_per_seq),
                    mesh, abstract)
 
 

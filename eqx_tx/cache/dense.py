@@ -118,11 +118,11 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
             lengths = positions[:, 0] + 1
             if mask.kv_lengths is not None:
                 lengths = jnp.minimum(lengths, mask.kv_lengths)
-            o = decode_attention_dense(q, cache.k, cache.v, layer, lengths, scales=cache.scales,
+            o = decode_attention_dense(q, *cache.values(), layer, lengths, scales=cache.scales,
                                        **kernel_options(compute, quantized=cache.scales is not None))
             return o, cache
         if own_keys:
-            keys, values = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+            keys, values = k.astype(cache.dtype), v.astype(cache.dtype)
         else:
             keys, values = cache.layer(layer)
         kv_lengths = mask.kv_lengths

@@ -170,9 +170,9 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
             lengths = jnp.minimum(positions[:, 0] + 1, mask.kv_lengths)
             options = kernel_options(compute, quantized=self.scales is not None)
             if self.share_rows > 1:  # a run's shared leading pages read once for it
-                return decode_attention_blocks_shared(q[:, 0], self.k, self.v, layer, self.page_table, lengths,
+                return decode_attention_blocks_shared(q[:, 0], *self.values(), layer, self.page_table, lengths,
                                                       rows=self.share_rows, scales=self.scales, **options)[:, None]
-            o = decode_attention_blocks(q[:, 0], self.k, self.v, layer, self.page_table, lengths, scales=self.scales,
+            o = decode_attention_blocks(q[:, 0], *self.values(), layer, self.page_table, lengths, scales=self.scales,
                                         **options)
             return o[:, None]
         if self.share_rows > 1:

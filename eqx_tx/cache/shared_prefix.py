@@ -91,9 +91,9 @@ class SharedPrefixCache(AbstractCache):
         assert mask.kv_lengths is not None
         completion = self._write(layer, k, v, positions)
         options = kernel_options(compute, quantized=completion.scales is not None)
-        o_own, lse_own = decode_attention_dense_with_lse(q, completion.k, completion.v, layer, mask.kv_lengths,
+        o_own, lse_own = decode_attention_dense_with_lse(q, *completion.values(), layer, mask.kv_lengths,
                                                          scales=completion.scales, **options)
-        o_pre, lse_pre = decode_attention_shared_with_lse(q, self.prompt.k, self.prompt.v, layer, self.prompt_lengths,
+        o_pre, lse_pre = decode_attention_shared_with_lse(q, *self.prompt.values(), layer, self.prompt_lengths,
                                                           samples=self.n, scales=self.prompt.scales, **options)
         o, _ = merge_partials(o_own, lse_own, o_pre, lse_pre)
         return o.astype(q.dtype), eqx.tree_at(lambda c: c.completion, self, completion)

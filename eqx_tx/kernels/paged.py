@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from .flash import online_softmax_step
 from .mask import visible
-from .quantized import Quantized
+from .quantized import Quantized, as_values
 
 
 def paged_attention(
@@ -36,7 +36,8 @@ def paged_attention(
     - `q`: queries at `q_positions` (RoPE applied).
     - `pool_k`, `pool_v`: `[layers, pages, page_size, kv_heads, head_dim]` (or
       int8 values in a `Quantized` whose scales keep the pool's tokens-minor layout,
-      `[layers, pages, kv_heads, page_size]`).
+      `[layers, pages, kv_heads, page_size]`; or bf16 stored as `BITS`: only the
+      pages gathered are viewed as bf16).
     - `layer`: the layer to read.
     - `page_table`: each sequence's pages; entries past its length are never read
       unmasked (unallocated ids are clipped into the pool, then masked).
@@ -63,7 +64,7 @@ def paged_attention(
         if isinstance(pool, Quantized):
             x = Quantized(pool.values[layer, pages], jnp.swapaxes(pool.scale[layer, pages], -1, -2)).dequantize(q.dtype)
         else:
-            x = pool[layer, pages].astype(q.dtype)
+            x = as_values(pool[layer, pages]).astype(q.dtype)
         return x.reshape(B, S, K, H)
 
     def block(j, carry):

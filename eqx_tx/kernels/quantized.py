@@ -1,8 +1,18 @@
-"""int8 vectors with one float32 scale each: the storage of an int8 KV cache."""
+"""How KV caches store keys/values besides as is: int8 vectors with one float32 scale
+each (`Quantized`), and bf16 as its uint16 bit patterns (`BITS`, on XLA:CPU:
+`eqx_tx.cache.storage` says why)."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8
+
+BITS = jnp.uint16  # bf16 keys/values stored as their bit patterns
+
+
+def as_values(x: Array) -> Array:
+    """Stored keys/values as their values (`BITS` viewed as bf16; else as they are)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BITS else x
 
 
 class Quantized(eqx.Module):

@@ -1,0 +1,57 @@
+"""A bf16 KV cache on XLA:CPU is stored as its uint16 bit patterns: written and read as
+a bf16 cache would be, without converting the whole buffer on each write or read."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_tx.cache.allocate import new_cache, new_paged_cache
+from eqx_tx.kernels.paged import paged_attention
+
+
+class _Shape:
+    num_hidden_layers, num_key_value_heads, head_dim = 2, 2, 32
+
+
+def _new(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def test_a_dense_bf16_cache_is_stored_as_bits_and_reads_as_bf16():
+    rng = np.random.default_rng(0)
+    k_new, v_new = _new(rng, 3, 5, 2, 32), _new(rng, 3, 5, 2, 32)
+    positions = jnp.asarray([[0, 1, 2, 3, 4], [10, 11, 12, 13, 14], [3, 4, 5, 6, 7]])
+    bf16, f32 = (new_cache(_Shape(), 3, 16, dtype) for dtype in (jnp.bfloat16, jnp.float32))
+    assert bf16.k.dtype == jnp.uint16 and bf16.dtype == jnp.bfloat16 and f32.k.dtype == jnp.float32
+    bf16 = bf16.write(jnp.asarray(1), k_new, v_new, positions)
+    f32 = f32.write(jnp.asarray(1), k_new.astype(jnp.bfloat16), v_new.astype(jnp.bfloat16), positions)
+    for got, want in zip(bf16.layer(1) + bf16.values(), f32.layer(1) + f32.values()):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))
+
+
+def test_a_paged_bf16_pool_is_written_and_read_without_converting_the_whole_pool():
+    rng = np.random.default_rng(1)
+    table = jnp.asarray([[5, 2, 7, 8], [1, 0, 8, 8]])  # 8: unallocated
+    positions = jnp.asarray([[9, 10, 11], [4, 5, 6]])
+    k_new, v_new = _new(rng, 2, 3, 2, 32), _new(rng, 2, 3, 2, 32)
+    pools = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        cache = new_paged_cache(_Shape(), pages=8, page_size=4, batch=2, pages_per_seq=4, dtype=dtype)
+        cache = cache.with_table(table)
+        rounded = [x.astype(jnp.bfloat16).astype(dtype) for x in (k_new, v_new)]  # the float32 pool holds bf16's values
+        pools[dtype] = cache.write(jnp.asarray(1), *rounded, positions)
+    assert pools[jnp.bfloat16].k.dtype == jnp.uint16
+    q = _new(rng, 2, 1, 4, 32)
+    lengths = positions[:, -1] + 1
+
+    def read(cache):
+        return paged_attention(q, *cache.pools(), jnp.asarray(1), table, lengths, positions[:, -1:])
+
+    np.testing.assert_array_equal(np.asarray(read(pools[jnp.bfloat16])), np.asarray(read(pools[jnp.float32])))
+    # Neither the write nor the read converts the pool `[2, 8, 4, 2, 32]` (XLA:CPU did, to float32 and back).
+    cache = pools[jnp.bfloat16]
+    write = jax.jit(lambda c: c.write(jnp.asarray(1), k_new, v_new, positions)).lower(cache).compile().as_text()
+    assert "[2,8,4,2,32]" in write and "f32[2,8,4,2,32]" not in write and "bf16[2,8,4,2,32]" not in write
+    text = jax.jit(read).lower(cache).compile().as_text()
+    assert "f32[2,8,4,2,32]" not in text and "bf16[2,8,4,2,32]" not in text
