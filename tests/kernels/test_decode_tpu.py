@@ -1,6 +1,7 @@
 """The decode attention kernel (Pallas TPU), run in Pallas's interpreter on CPU,
 against a plain numpy reference and against `generate` on the xla path."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -413,3 +414,34 @@ def test_tokens_per_step_below_one_is_refused_by_name(name):
     with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
         eqx_tx.ComputeConfig(**{name: 0})
     assert eqx_tx.ComputeConfig().decode_step_tokens(True) == eqx_tx.ComputeConfig().decode_int8_tokens_per_step
+
+
+def test_the_kernels_lower_for_a_tpu(monkeypatch):
+    """Every form of the kernel (a page pool bf16 and int8, runs of shared pages, a dense
+    cache, a shared prompt's groups) lowers through Pallas's Mosaic rules for a TPU v5e,
+    here without one: what the interpreter accepts but Mosaic cannot express fails here,
+    before a device session (Mosaic's own compilation still needs the chip)."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    L, pages, page, K, H, N, B = 2, 64, 128, 8, 128, 16, 8
+    S = jax.ShapeDtypeStruct
+    q, layer, table, lengths = S((B, N, H), jnp.bfloat16), S((), jnp.int32), S((B, 8), jnp.int32), S((B,), jnp.int32)
+    pool, pool8, scale = S((L, pages, page, K, H), jnp.bfloat16), S((L, pages, page, K, H), jnp.int8), S(
+        (L, pages, K, page), jnp.float32)
+    dense, q1 = S((L, B, 1024, K, H), jnp.bfloat16), S((B, 1, N, H), jnp.bfloat16)
+    forms = {
+        "paged": (lambda *a: decode_attention_blocks(*a, interpret=False), (q, pool, pool, layer, table, lengths)),
+        "paged int8": (lambda *a: decode_attention_blocks(*a[:6], scales=a[6:], interpret=False),
+                       (q, pool8, pool8, layer, table, lengths, scale, scale)),
+        "runs": (lambda *a: decode_attention_blocks_shared(*a, rows=8, interpret=False),
+                 (q, pool, pool, layer, table, lengths)),
+        "dense": (lambda *a: decode_attention_dense(*a, interpret=False), (q1, dense, dense, layer, lengths)),
+        "shared prompt": (lambda *a: decode_attention_shared_with_lse(*a, samples=8, interpret=False),
+                          (q1, S((L, 1, 1024, K, H), jnp.bfloat16), S((L, 1, 1024, K, H), jnp.bfloat16), layer,
+                           S((1,), jnp.int32))),
+    }
+    for name, (f, args) in forms.items():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text, name
