@@ -200,8 +200,8 @@ class Engine:
 
     def stats(self) -> dict:
         """`Scheduler.stats`: pages referenced and cached, the prefix cache's hit rate,
-        preemptions, prefill chunks planned, the tokens held (a shared page's once) and read by a decode step
-        (once per request), requests waiting and running."""
+        preemptions, prefill chunks planned, the tokens held (a shared page's once) and
+        read by a decode step (once per request), requests waiting and running."""
         return self.scheduler.stats()
 
     def step(self) -> list[TokenEvent]:

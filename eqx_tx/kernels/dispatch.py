@@ -172,26 +172,20 @@ def _choose(q_shape, k_shape, dtype, cache: CacheKind, q_offset, mesh, requested
         raise ValueError("segment ids (packed sequences) are for attention without a KV cache")
     if cache == "none" and mesh_axis_size(mesh, "sp") > 1:
         return AttentionChoice("ring", "context parallel over sp, blockwise inside")
-    if cache in _SHARED:
-        if T == 1 and requested == "decode_tpu":
-            return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)
-        why = ""
-        if T == 1:
-            decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, page_size)
-            if requested == "auto" and decode_reason is None:
-                return AttentionChoice("decode_tpu", _SHARED_IN_PLACE)
-            if decode_reason is not None and target_platform(mesh) == "tpu":
-                why = f"; not decode_tpu because {decode_reason}"
-        return AttentionChoice("shared_prefix", f"prompt and completion parts, blockwise, merged by log-sum-exp{why}")
     if requested == "decode_tpu":  # decoding on the kernel; any other call as under auto
         if T == 1 and cache != "none":
             return _requested_decode(q_shape, k_shape, dtype, cache, mesh, page_size)
         requested = "auto"
     decode_reason = _decode_reason(q_shape, k_shape, dtype, cache, mesh, page_size)
     if requested == "auto" and decode_reason is None:
-        return AttentionChoice("decode_tpu", "one query per sequence, the stacked cache read in place")
+        return AttentionChoice("decode_tpu", _SHARED_IN_PLACE if cache in _SHARED else
+                               "one query per sequence, the stacked cache read in place")
     # A decoding call on a TPU that falls back says why the kernel did not run.
-    not_decode = f"not decode_tpu because {decode_reason}" if T == 1 and target_platform(mesh) == "tpu" else None
+    not_decode = (f"not decode_tpu because {decode_reason}"
+                  if T == 1 and decode_reason is not None and target_platform(mesh) == "tpu" else None)
+    if cache in _SHARED:  # under any other implementation too
+        why = f"; {not_decode}" if not_decode else ""
+        return AttentionChoice("shared_prefix", f"prompt and completion parts, blockwise, merged by log-sum-exp{why}")
     if cache in ("paged", "paged_int8"):
         if requested != "auto":
             return AttentionChoice("paged", f"requested {requested}, which cannot read a page pool; the pool walked "
