@@ -1,12 +1,16 @@
-"""A bf16 KV cache on XLA:CPU is stored as its uint16 bit patterns: written and read as
-a bf16 cache would be, without converting the whole buffer on each write or read."""
+"""How KV caches are stored and written. A bf16 KV cache on XLA:CPU is stored as its
+uint16 bit patterns: written and read as a bf16 cache would be, without converting the
+whole buffer on each write or read. A dense cache takes a long chunk as one window per row."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from eqx_tx.cache.allocate import new_cache, new_paged_cache
+from eqx_tx.cache.dense import WINDOW_TOKENS
 from eqx_tx.kernels.paged import paged_attention
+from eqx_tx.kernels.quantized import Quantized
 
 
 class _Shape:
@@ -55,3 +59,40 @@ def test_a_paged_bf16_pool_is_written_and_read_without_converting_the_whole_pool
     assert "[2,8,4,2,32]" in write and "f32[2,8,4,2,32]" not in write and "bf16[2,8,4,2,32]" not in write
     text = jax.jit(read).lower(cache).compile().as_text()
     assert "f32[2,8,4,2,32]" not in text and "bf16[2,8,4,2,32]" not in text
+
+
+@pytest.mark.parametrize("seq", [5, WINDOW_TOKENS])
+def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
+    """A chunk's rows land at their positions (a row wholly past the end: dropped) in
+    every storage (float32, bf16 bits, int8 values with tokens-minor scales): token by
+    token below `WINDOW_TOKENS`, else as one scatter of a window per row."""
+    rng = np.random.default_rng(2)
+    B, L, K, D = 3, 3 * seq, 2, 32
+    starts = np.asarray([0, L - seq - 1, L])  # the third row is wholly outside the cache
+    positions = jnp.asarray(starts[:, None] + np.arange(seq))
+    k_new, v_new = _new(rng, B, seq, K, D), _new(rng, B, seq, K, D)
+    for dtype in (jnp.float32, jnp.bfloat16, "int8"):
+        cache = new_cache(_Shape(), B, L, dtype)
+        written = cache.write(jnp.asarray(1), k_new, v_new, positions)
+        for new, stored, scales in ((k_new, written.k, written.k_scale), (v_new, written.v, written.v_scale)):
+            want = np.zeros((B, L, K, D), np.float32)
+            want_scale = np.zeros((B, K, L), np.float32)
+            if dtype == "int8":
+                q = Quantized.quantize(new)
+                values, scale = np.asarray(q.values, np.float32), np.asarray(q.scale)
+            else:
+                values, scale = np.asarray(new.astype(dtype).astype(jnp.float32)), None
+            for b in range(B):
+                if starts[b] + seq <= L:
+                    want[b, starts[b]:starts[b] + seq] = values[b]
+                    if scale is not None:
+                        want_scale[b, :, starts[b]:starts[b] + seq] = scale[b].T
+            got = stored[1] if dtype != jnp.bfloat16 else jax.lax.bitcast_convert_type(stored[1], jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+            assert not np.asarray(stored[0], np.float32).any()  # another layer: untouched
+            if scales is not None:
+                np.testing.assert_array_equal(np.asarray(scales[1]), want_scale)
+        jaxpr = jax.make_jaxpr(lambda c: c.write(jnp.asarray(1), k_new, v_new, positions))(cache)
+        indices = [e.invars[1].aval.shape for e in jaxpr.eqns if e.primitive.name == "scatter"]
+        per_write = (B, 3) if seq >= WINDOW_TOKENS else (B, seq, 3)
+        assert indices == [per_write] * (4 if dtype == "int8" else 2), indices

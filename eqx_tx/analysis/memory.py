@@ -177,10 +177,12 @@ def compile_sampling(
     chunk = prefill_chunk or prompt_len
     tokens = _sds((prompts, round_up(prompt_len, chunk)), jnp.int32, mesh, "batch")
     prompt_lengths = _sds((prompts,), jnp.int32, mesh, "batch")
+    padded = tokens.shape[1]  # a prefill chunk lands whole in the cache (`generation.plan_requests`)
     if n == 1:
-        cache = decode_cache = new_cache(config, batch, prompt_len + new_tokens, cache_dtype, mesh=mesh, abstract=True)
+        cache = decode_cache = new_cache(config, batch, max(prompt_len + new_tokens, padded), cache_dtype, mesh=mesh,
+                                         abstract=True)
     else:
-        cache = new_cache(config, prompts, prompt_len, cache_dtype, mesh=mesh, abstract=True)
+        cache = new_cache(config, prompts, max(prompt_len, padded), cache_dtype, mesh=mesh, abstract=True)
         completion = new_cache(config, batch, new_tokens, cache_dtype, mesh=mesh, abstract=True)
         decode_cache = SharedPrefixCache(cache, completion, prompt_lengths)
     lengths = _sds((batch,), jnp.int32, mesh, "batch")

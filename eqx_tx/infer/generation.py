@@ -65,7 +65,7 @@ class DecodeState(eqx.Module):
 
 @functools.partial(jax.jit, static_argnames=("chunk", "compute", "full_logits"), donate_argnames="cache")
 def prefill(
-    model: CausalLM, cache: AbstractCache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
+    model: CausalLM, cache: KVCache, tokens, lengths, *, chunk: int, compute: ComputeConfig, full_logits: bool = False
 ):
     """Write the prompts' keys/values into `cache`; return it and each last token's logits.
 
@@ -80,6 +80,8 @@ def prefill(
     **Returns:** the cache and `[batch, vocab]` float32 logits of the token after each prompt.
     """
     B, T = tokens.shape
+    if T > cache.max_len:  # (a chunk's rows are written as whole windows: `KVCache.write`)
+        raise ValueError(f"prefill of {T} padded positions into a cache of {cache.max_len} slots")
     n_chunks = T // chunk
     D = model.config.hidden_size
 
@@ -89,7 +91,7 @@ def prefill(
         # q_offset stays the static 0 for the first chunk (cuDNN can run there).
         mask = AttentionMask(lengths, start if isinstance(start, int) else jnp.broadcast_to(start, (B,)))
         out = model.hidden_states(ids, positions=positions, mask=mask, compute=compute, cache=cache)
-        assert out.cache is not None
+        assert isinstance(out.cache, KVCache)
         hidden, cache = out.hidden, out.cache
         if full_logits:
             hidden = model.head_logits(hidden)
@@ -226,6 +228,7 @@ def plan_requests(prompts, params, n: int, share_prefix: bool,
         cache_len = _bucket(int(lengths.max()), cache_multiple())
     else:
         cache_len = _bucket(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
+    cache_len = max(cache_len, round_up(tokens.shape[1], cache_multiple()))  # every prefill chunk lands whole
     plan = Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
     sequence_params = [sp for sp in params for _ in range(n)] if shared else params
     samples = list(range(n)) * (plan.S // n)
@@ -415,6 +418,7 @@ def teacher_forced_logits(
     steps = steps.pop()
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     with mesh_context(model):
-        cache = cache_for(model, len(prompts), _bucket(int(lengths.max()) + steps, cache_multiple()), cache_dtype)
+        slots = max(_bucket(int(lengths.max()) + steps, cache_multiple()), round_up(tokens.shape[1], cache_multiple()))
+        cache = cache_for(model, len(prompts), slots, cache_dtype)
         return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)
