@@ -28,6 +28,7 @@ Hugging Face). Rows are printed (and appended to `--out`) as they are measured.
 """
 
 import dataclasses
+import glob
 import itertools
 import sys
 import time
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from decode_batch_probe import top_trace_ops
 from model_flops import decode_bytes_per_token, matmul_params, prefill_flops, train_flops
 from timing import median_times
 
@@ -71,7 +73,8 @@ class Args:
     """`ComputeConfig.decode_layers` settings to measure."""
     profile_dir: str | None = None
     """Write `jax.profiler` traces (with a Perfetto `perfetto_trace.json.gz`) of one
-    batch-1 greedy decode and of one step of the first train setting here."""
+    batch-1 greedy decode, of one call of each prefill setting (its device ops that
+    took the most time are reported) and of one step of the first train setting here."""
     prefill_batches: tuple[int, ...] = (1, 4)
     prefill_lens: tuple[int, ...] = (2048, 8192)
     prefill_attentions: tuple[str, ...] = ("auto", "blockwise")
@@ -191,6 +194,14 @@ def prefill_rows(model, cfg, args: Args, peak: float, sheet: tuple[float, float]
         tflops = prefill_flops(cfg, B, T) / seconds / 1e12
         sheet_mfu = "-" if sheet is None else f"{100 * tflops / sheet[0]:.0f}%"
         report(f"| {name} | {1e3 * seconds:,.1f} | {B * T / seconds:,.0f} | {100 * tflops / peak:.0f}% | {sheet_mfu} |")
+        if args.profile_dir is not None:
+            trace_dir = f"{args.profile_dir}/prefill_{B}x{T}_{attention}"
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                eqx_tx.generate(model, prompts, one, compute=compute)
+            found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+            if found:
+                top = top_trace_ops(found[0], 20)
+                report(f"|   device ops of one call (ms): {', '.join(f'{op} {ms:.1f}' for op, ms in top)} | | | | |")
 
 
 def train_rows(cfg, args: Args, peak: float, sheet: tuple[float, float] | None, report: Report) -> None:
@@ -250,7 +261,7 @@ def main(args: Args) -> None:
     model = eqx_tx.init_model(cfg, key=jax.random.key(0), dtype=jnp.bfloat16)
     params = matmul_params(cfg, head=True)
     bandwidth, probes = bandwidth_gbs(args.repeats)
-    rows = max(args.train_batches) * args.train_seq_len
+    rows = max(args.train_batches, default=4) * args.train_seq_len
     peak = matmul_peak_tflops(cfg, rows, args.repeats)
     report(f"\n## {args.preset} ({params / 1e9:.2f} B matmul params), bfloat16, on {device.device_kind} "
            f"({jax.device_count()} device(s), jax {jax.__version__}); median of {args.repeats}")

@@ -25,6 +25,9 @@ VARIANTS = [(512, 512, 512, True, True), (512, 512, 512, True, False), (512, 512
             (1024, 1024, 1024, True, False), (1024, 1024, 512, True, False), (1024, 1024, 1024, False, False),
             (512, 1024, 512, False, False), (1024, 512, 512, False, False), (2048, 1024, 512, False, False),
             (256, 1024, 512, False, False), (512, 2048, 512, False, False)]
+# Forward alone (a prefill): larger tiles, which only the forward kernel's VMEM must hold.
+FORWARD_VARIANTS = [(512, 512, 512), (1024, 1024, 512), (1024, 1024, 1024), (2048, 1024, 512), (1024, 2048, 512),
+                    (2048, 2048, 512), (2048, 2048, 1024), (4096, 1024, 512), (4096, 2048, 512), (512, 2048, 512)]
 
 
 @dataclasses.dataclass
@@ -35,6 +38,8 @@ class Args:
     kv_heads: int = 8
     head_dim: int = 128
     repeats: int = 10
+    forward_only: bool = False
+    """Time the forward kernel alone, over `FORWARD_VARIANTS` (the prefill's tiles)."""
 
 
 def splash_fn(args: Args, bq: int, bkv: int, bkv_compute: int, fused: bool, segmented: bool):
@@ -75,14 +80,20 @@ def main(args: Args) -> None:
         backward = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
         try:
             tf, tb = (median_times({"f": lambda f=f: jax.block_until_ready(f(q, k, v))}, args.repeats)["f"]
-                      for f in (forward, backward))
+                      if f is not None else None for f in (forward, None if args.forward_only else backward))
         except Exception as e:  # a tiling the kernel refuses
             print(f"| {name} | did not run: {type(e).__name__}: {str(e).splitlines()[0][:150]} | |", flush=True)
             return
-        print(f"| {name} | {tf * 1e3:.2f} ms ({forward_flops / tf / 1e12:.0f} TFLOP/s) | "
-              f"{tb * 1e3:.2f} ms ({3.5 * forward_flops / tb / 1e12:.0f} TFLOP/s) |", flush=True)
+        both = "-" if args.forward_only else f"{tb * 1e3:.2f} ms ({3.5 * forward_flops / tb / 1e12:.0f} TFLOP/s)"
+        print(f"| {name} | {tf * 1e3:.2f} ms ({forward_flops / tf / 1e12:.0f} TFLOP/s) | {both} |", flush=True)
 
     row("blockwise 512 x 512", lambda q, k, v: flash_attention(q, k, v, block_q=512, block_kv=512)[0])
+    if args.forward_only:
+        for bq, bkv, bkv_compute in FORWARD_VARIANTS:
+            if not (T % bq or T % bkv):
+                name = f"splash {bq} x {bkv}, {bkv_compute} keys per step"
+                row(name, splash_fn(args, bq, bkv, bkv_compute, True, False))
+        return
     for bq, bkv, bkv_compute, fused, segmented in VARIANTS:
         if T % bq or T % bkv:
             continue
