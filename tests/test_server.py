@@ -316,6 +316,39 @@ def test_echo_returns_the_prompt_with_its_logprobs_from_a_forward_pass(served):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, stream=True)
 
 
+def test_echo_scores_every_prompt_in_the_engine_with_no_tokens_and_with_n(served):
+    """Echo of several prompts, scored by the engine's prefill: with `max_tokens=0`
+    (one scoring request per prompt, nothing answered but the prompt), with `n=2` (the
+    first sample scores), a one-token prompt (nothing to score), and without logprobs
+    (the text alone). No request is left in the engine."""
+    client, tokenizer, model = served.client, served.tokenizer, served.base
+    texts = ["Once upon a time there was", "The cat sat", "A"]
+    ids = [tokenizer.encode(t) for t in texts]
+    assert len(ids[2]) == 1
+
+    def want(p):
+        logp = np.asarray(jax.nn.log_softmax(np.asarray(eqx_tx.logits(model, np.asarray([ids[p]]))[0], np.float64)))
+        return [logp[t, ids[p][t + 1]] for t in range(len(ids[p]) - 1)], logp
+
+    for max_tokens, n in ((0, 1), (2, 2)):
+        answer = client.completions.create(model="tiny", prompt=texts, max_tokens=max_tokens, n=n, temperature=0,
+                                           echo=True, logprobs=1)
+        assert len(answer.choices) == len(texts) * n
+        for i, choice in enumerate(answer.choices):
+            p = i // n
+            assert choice.text.startswith(texts[p]) and (max_tokens or choice.text == texts[p])
+            assert len(choice.logprobs.token_logprobs) == len(ids[p]) + max_tokens
+            assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+            scored, logp = want(p)
+            np.testing.assert_allclose(choice.logprobs.token_logprobs[1:len(ids[p])], scored, atol=1e-4)
+            for t, top in enumerate(choice.logprobs.top_logprobs[1:len(ids[p])]):
+                assert list(top.values()) == pytest.approx([logp[t].max()], abs=1e-4)
+        assert answer.usage.completion_tokens == len(texts) * n * max_tokens
+    plain = client.completions.create(model="tiny", prompt=texts[:2], max_tokens=0, echo=True)
+    assert [c.text for c in plain.choices] == texts[:2] and all(c.logprobs is None for c in plain.choices)
+    assert _idle(served.loop) == (False, 0)
+
+
 def test_the_served_name_is_the_checkpoint_s_own(tmp_path):
     serve = load_tool("serve")
     (tmp_path / "runs" / "story" / "final").mkdir(parents=True)
@@ -338,7 +371,7 @@ def test_a_final_text_is_the_decoding_of_all_its_tokens(served):
     assert tokenizer.decode(tokens) != "".join(tokenizer.decode_stream()(t) for t in tokens)
 
     class _Loop:  # the engine thread, reduced to what a job asks of it
-        def submit(self, *args):
+        def submit(self, *args, **kwargs):
             future = cf.Future()
             future.set_result(0)
             return future

@@ -4,8 +4,9 @@
 `/v1/chat/completions` (the checkpoint's chat template) and `/v1/models`, streaming
 (server-sent events, with `stream_options.include_usage`) or not, with `n`,
 `max_tokens` (0: no tokens), `temperature`, `top_p`, `top_k` (an extra body field),
-`stop` (strings), `seed` and `logprobs` (each sampled token's log-probability and, up
-to the engine's `max_top_logprobs`, the most likely alternatives). With a LoRA
+`stop` (strings), `seed`, `logprobs` (each sampled token's log-probability and, up
+to the engine's `max_top_logprobs`, the most likely alternatives) and `echo` (the
+prompt first; with `logprobs`, its tokens scored by the engine's prefill). With a LoRA
 adapter bank, each adapter is served as a model of its own name and requests for
 different adapters share the engine's batches. `GET /health` answers 200 while the
 engine runs; `GET /metrics` gives the counters of `eqx_tx.serve.metrics` in
@@ -22,6 +23,7 @@ The final text of a choice is the decoding of all its tokens (up to a stop strin
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -38,9 +40,9 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from ..core.log import logger
-from ..infer.prompt_scores import prompt_scores
 from ..infer.sampling import SamplingParams
 from ..infer.scheduler import TokenEvent
+from ..infer.steps import PromptScores
 from ..infer.text import Message, Tokenizer
 from .loop import EngineFailure, EngineLoop, EngineStopped
 from .metrics import ServerMetrics
@@ -115,35 +117,50 @@ class _Choice:
 class _Job:
     """The engine requests of one HTTP request (`n` per prompt) and their tokens, as text.
 
-    Choice `p * n + j` is sample `j` of prompt `p`, as OpenAI numbers them."""
+    Choice `p * n + j` is sample `j` of prompt `p`, as OpenAI numbers them. With
+    `score = k` (echo with logprobs) each prompt's tokens are scored with their `k` most
+    likely alternatives by its first sample's prefill, in the engine (with `max_tokens=0`
+    by a request of one token of its own, which is not answered)."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, prompts: list[list[int]], params: SamplingParams | None,
-                 n: int, stop: list[str], adapter: int | None):
+                 n: int, stop: list[str], adapter: int | None, score: int | None = None):
         self.loop, self.stop, self.tokenizer = loop, stop, tokenizer
         self.prompts = prompts
         self.arrived = time.perf_counter()
         self.first_token: float | None = None
         self.choices = [_Choice(p, tokenizer.decode_stream()) for p in range(len(prompts)) for _ in range(n)]
         self._longest_stop = max(map(len, stop), default=0)
-        self.ids: list[int | None] = [None] * len(self.choices)
+        self.scores: list[PromptScores | None] = [None] * len(prompts)  # (one-token prompts have none)
+        self._unscored = {p for p, prompt in enumerate(prompts) if score is not None and len(prompt) >= 2}
         self._events: asyncio.Queue[tuple[int, TokenEvent | EngineFailure]] = asyncio.Queue()
+        # Request `r` (its events' index) is choice `r`'s, or from `len(choices)` on one
+        # that only scores prompt `_scored_alone[r - len(choices)]`.
+        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._scored_alone: list[int] = []
+        aio = asyncio.get_running_loop()
+
+        def submit(r: int, prompt: int, params: SamplingParams, sample: int, scored: bool) -> None:
+            how = (len(prompts[prompt]) - 1, score) if scored and score is not None else None
+            self._futures[r] = loop.submit(prompts[prompt], params, sample,
+                                           lambda e: aio.call_soon_threadsafe(self._events.put_nowait, (r, e)),
+                                           adapter, score=how)
+
         if params is None:  # max_tokens=0: nothing to generate
             for choice in self.choices:
                 choice.finish_reason = "length"
-            self._futures = []
-            return
-        aio = asyncio.get_running_loop()
-        self._futures = [
-            loop.submit(prompts[c.prompt], params, i % n,
-                        lambda e, i=i: aio.call_soon_threadsafe(self._events.put_nowait, (i, e)), adapter)
-            for i, c in enumerate(self.choices)
-        ]
+            for p in sorted(self._unscored):
+                submit(len(self.choices) + len(self._scored_alone), p, SamplingParams(max_new_tokens=1), 0, True)
+                self._scored_alone.append(p)
+        else:
+            for i, c in enumerate(self.choices):
+                submit(i, c.prompt, params, i % n, i % n == 0 and c.prompt in self._unscored)
+        self.ids: dict[int, int] = {}
 
     async def start(self) -> None:
         """Wait until the engine took every request (`ApiError` 400 if it refused one)."""
         try:
-            for i, future in enumerate(self._futures):
-                self.ids[i] = await asyncio.wrap_future(future)
+            for r, future in self._futures.items():
+                self.ids[r] = await asyncio.wrap_future(future)
         except ValueError as e:
             self.cancel()
             raise ApiError(400, str(e), kind="invalid_request_error") from e
@@ -152,13 +169,14 @@ class _Job:
 
     def cancel(self) -> None:
         """Cancel every unfinished request (once the engine has taken it)."""
-        for choice, future in zip(self.choices, self._futures):
-            if choice.finish_reason is None:
+        for r, future in self._futures.items():
+            if (self.choices[r].finish_reason is None if r < len(self.choices)
+                    else self._scored_alone[r - len(self.choices)] in self._unscored):
                 future.add_done_callback(lambda f: f.exception() is None and self.loop.cancel(f.result()))
 
     @property
     def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return all(c.finish_reason is not None for c in self.choices) and not self._unscored
 
     def _cut(self, choice: _Choice, start: int) -> bool:
         """Cut `choice.text` at the first stop string ending after `start`; whether one did."""
@@ -167,12 +185,19 @@ class _Job:
             choice.text, choice.finish_reason = choice.text[:cut], "stop"
         return cut >= 0
 
-    async def next(self) -> int:
-        """Take one token event; returns the index of the choice it extended."""
+    async def next(self) -> int | None:
+        """Take one token event; returns the index of the choice it extended (`None`
+        for a request that only scored its prompt)."""
         i, event = await self._events.get()
         if isinstance(event, EngineFailure):
             raise ApiError(500, f"the engine failed while running this request: {event.message}",
                            kind="server_error")
+        if event.prompt_scores is not None:  # (with the first token of the request that scored it)
+            prompt = self.choices[i].prompt if i < len(self.choices) else self._scored_alone[i - len(self.choices)]
+            self.scores[prompt] = event.prompt_scores
+            self._unscored.discard(prompt)
+        if i >= len(self.choices):
+            return None
         if self.first_token is None:
             self.first_token = time.perf_counter()
         choice = self.choices[i]
@@ -186,7 +211,7 @@ class _Job:
         start = max(0, len(choice.text) - self._longest_stop + 1)
         choice.text += choice.decode(event.token)
         if self._cut(choice, start):
-            request_id = self.ids[i]
+            request_id = self.ids.get(i)
             if event.finish_reason is None and request_id is not None:
                 self.loop.cancel(request_id)
         elif event.finish_reason is not None:
@@ -348,7 +373,8 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                         status = e.status
                         yield _sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
                         return
-                    yield _sse(chunk(job, i, False))
+                    if i is not None:
+                        yield _sse(chunk(job, i, False))
                 if include_usage:
                     yield _sse({"id": ident, "object": chunk_object, "created": int(time.time()), "model": model,
                                 "choices": [], "usage": job.usage()})
@@ -372,26 +398,25 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                            "prompt")
         return prompts
 
-    async def echo_prompts(body: CompletionRequest, prompts: list[list[int]], top: int, adapter: int | None):
+    def echo_prompts(body: CompletionRequest, prompts: list[list[int]], job: _Job) -> list[tuple[str, dict]]:
         """With `echo`: each prompt's text and its tokens' logprobs entries (`None` for the
-        first token: nothing precedes it), scored through the LM head in chunks."""
-        if not body.echo:
-            return None
-        if body.stream:
-            raise ApiError(400, "echo is not supported with stream=true", "echo")
+        first token: nothing precedes it), as the engine scored them (`_Job`)."""
         texts = [body.prompt] if isinstance(body.prompt, str) else (
             [p if isinstance(p, str) else tokenizer.decode(q) for p, q in zip(body.prompt, prompts)]
             if body.prompt and not isinstance(body.prompt[0], int) else [tokenizer.decode(prompts[0])])
         out = []
-        for text, prompt in zip(texts, prompts):
-            lp, ids, values = (np.zeros(0), np.zeros((0, top)), np.zeros((0, top))) if len(prompt) < 2 else \
-                await asyncio.to_thread(prompt_scores, loop.engine.model, prompt, top_k=top, adapter=adapter,
-                                        compute=loop.engine.compute)
-            tops = [None] + [{tokenizer.decode([int(t)]): float(v) for t, v in zip(row_ids, row)}
-                             for row_ids, row in zip(ids, values)]
-            out.append((text, {"tokens": [tokenizer.decode([t]) for t in prompt],
-                               "token_logprobs": [None] + [float(x) for x in lp],
-                               "top_logprobs": tops if top else None, "text_offset": None}))
+        for text, prompt, scores in zip(texts, prompts, job.scores):
+            entries = {"tokens": [tokenizer.decode([t]) for t in prompt], "token_logprobs": None, "top_logprobs": None,
+                       "text_offset": None}
+            if body.logprobs is not None:
+                lp, ids, values = (np.zeros(0), [], []) if scores is None else \
+                    (scores.logprobs, scores.top_ids, scores.top_logprobs)
+                entries["token_logprobs"] = [None] + [float(x) for x in lp]
+                if body.logprobs:
+                    entries["top_logprobs"] = [None] + [
+                        {tokenizer.decode([int(t)]): float(v) for t, v in zip(row_ids, row)}
+                        for row_ids, row in zip(ids, values)]
+            out.append((text, entries))
         return out
 
     @app.post("/v1/completions")
@@ -400,9 +425,12 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
         top = check_top(body.logprobs, "logprobs")
         prompts = completion_prompts(body.prompt)
         params = _sampling(body, 16 if body.max_tokens is None else body.max_tokens, len(prompts))
-        echoed = await echo_prompts(body, prompts, top, adapter)
-        job = _Job(loop, tokenizer, prompts, params, body.n, _stops(body.stop), adapter)
+        if body.echo and body.stream:
+            raise ApiError(400, "echo is not supported with stream=true", "echo")
+        score = top if body.echo and body.logprobs is not None else None
+        job = _Job(loop, tokenizer, prompts, params, body.n, _stops(body.stop), adapter, score)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echoed: list[tuple[str, dict]] | None = None
 
         def logprobs(c: _Choice, since: int) -> dict | None:
             if body.logprobs is None:
@@ -432,6 +460,8 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
             return {"id": ident, "object": "text_completion", "created": created, "model": body.model, "choices": [c]}
 
         def final(job: _Job) -> dict:
+            nonlocal echoed
+            echoed = echo_prompts(body, prompts, job) if body.echo else None
             return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
                     "choices": [choice(job, i, False) for i in range(len(job.choices))], "usage": job.usage()}
 
