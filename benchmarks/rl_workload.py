@@ -61,9 +61,10 @@ class Args:
     """TPU v5e data sheet, bf16."""
     seed: int = 0
     budget_s: float | None = None
-    """Stop each run after this many seconds of steps and report the steps done so far
-    (`"complete": false`; the roofline is those steps' own). A device call has a time
-    limit that the 64-prompt workload can outlast."""
+    """Stop each run after this many seconds of its step loop (wall clock, the
+    page-by-page `stats` between steps included; warmup not) and report the steps done
+    so far (`"complete": false`; the roofline is those steps' own). A device call has
+    a time limit that the 64-prompt workload can outlast."""
 
 
 def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
@@ -92,11 +93,15 @@ def run(model, cfg, kv: str, mixed: bool, share: int, args: Args) -> dict:
     t = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t
+    # (a progress line: a run its device call cuts short still shows how far it got)
+    print(json.dumps({"kv": kv, "mixed_steps": mixed, "shared_decode_rows": share, "warmup_s": round(compile_s, 1)}),
+          flush=True)
     sequences = workload(cfg, args)
     for prompt, params, sample in sequences:
         engine.add(prompt, params, sample=sample)
     generated, steps, rows, held_s, read_s, seconds = 0, 0, 0, 0.0, 0.0, 0.0
-    while engine.has_work() and (args.budget_s is None or seconds < args.budget_s):
+    started = time.perf_counter()
+    while engine.has_work() and (args.budget_s is None or time.perf_counter() - started < args.budget_s):
         stats = engine.stats()  # counted page by page: outside the timed steps
         t = time.perf_counter()
         events = engine.step()  # returns host tokens: the step has finished
