@@ -346,6 +346,9 @@ def test_echo_scores_every_prompt_in_the_engine_with_no_tokens_and_with_n(served
         assert answer.usage.completion_tokens == len(texts) * n * max_tokens
     plain = client.completions.create(model="tiny", prompt=texts[:2], max_tokens=0, echo=True)
     assert [c.text for c in plain.choices] == texts[:2] and all(c.logprobs is None for c in plain.choices)
+    longest = [ids[0][0]] * served.loop.engine.max_seq_len  # scoring it would need one token more
+    with pytest.raises(openai.BadRequestError, match="echo with max_tokens=0"):
+        client.completions.create(model="tiny", prompt=longest, max_tokens=0, echo=True, logprobs=0)
     assert _idle(served.loop) == (False, 0)
 
 

@@ -428,6 +428,11 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
         if body.echo and body.stream:
             raise ApiError(400, "echo is not supported with stream=true", "echo")
         score = top if body.echo and body.logprobs is not None else None
+        limit = loop.engine.max_seq_len
+        if score is not None and params is None and any(len(p) >= limit for p in prompts):
+            raise ApiError(400, f"echo with max_tokens=0 scores a prompt in the engine, which also samples one token "
+                                f"it does not answer: prompts of at most {limit - 1} tokens (max_seq_len {limit} - 1), "
+                                f"got {max(map(len, prompts))}", "prompt")
         job = _Job(loop, tokenizer, prompts, params, body.n, _stops(body.stop), adapter, score)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echoed: list[tuple[str, dict]] | None = None
