@@ -16,6 +16,7 @@ bucket and at `max_seqs` rows), and the ratio.
 """
 
 import dataclasses
+import glob
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from decode_batch_probe import top_trace_ops
 
 import eqx_tx
 from eqx_tx.infer.scheduler import DecodeBatch, PrefillBatch
@@ -48,6 +50,10 @@ class Args:
     """Tokens before the prefill chunk, and each live decode row's length."""
     page_size: int = 16
     repeats: int = 5
+    profile_dir: str | None = None
+    """Also trace one prefill chunk and one decode pass (at the bucket) with
+    `jax.profiler` here, and report each one's device ops that took the most time
+    (on an accelerator: the cache writes against attention and the matmuls)."""
 
 
 def main(args: Args) -> None:
@@ -101,6 +107,15 @@ def main(args: Args) -> None:
     row["mixed_at_max_seqs_ms"] = round(median_ms(lambda: runner.mixed(prefill, full)), 2)
     row["separate_over_mixed"] = round(row["separate_ms"] / row["mixed_at_max_seqs_ms"], 2)
     print(json.dumps(row), flush=True)
+    if args.profile_dir is not None:
+        for name, run in (("prefill", lambda: runner.prefill(prefill)), ("decode", lambda: runner.decode(small))):
+            trace_dir = os.path.join(args.profile_dir, name)
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                run()
+                jax.block_until_ready(runner.cache)
+            found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+            top = top_trace_ops(found[0], 20) if found else []
+            print(json.dumps({"pass": name, "top_device_ops_ms": top}), flush=True)
 
 
 if __name__ == "__main__":
