@@ -28,7 +28,7 @@ from .storage import KVStorage, store_kv, zero_kv
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
 # Rows of at least this many tokens are written as one window each. On a TPU v5e an
 # update costs ~60 ns a token written token by token (116 of 671 ms of a 4 x 8192
-# prefill; 19 ms as windows), and ~3.4 us a row as a window (XLA writes the windows in
+# prefill; 19 ms as windows), and ~3.3 us a row as a window (XLA writes the windows in
 # a loop: a decode step at batch 64 took 26.2 ms with windows of one token, 14.3 ms
 # without; `benchmarks/results/accelerator_tpu_v5e.md`, stop 51).
 WINDOW_TOKENS = 64
