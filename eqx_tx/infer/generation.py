@@ -175,6 +175,12 @@ def _bucket(n: int, multiple: int) -> int:
     return length_bucket(n, multiple, per_octave=4)
 
 
+def _cache_slots(needed: int, tokens: np.ndarray) -> int:
+    """A dense cache's slots for `needed` positions: their length bucket, and at least
+    the padded prompts `tokens [P, T]` (every prefill chunk lands whole: `KVCache.write`)."""
+    return max(_bucket(needed, cache_multiple()), round_up(tokens.shape[1], cache_multiple()))
+
+
 def _pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int | None) -> tuple[np.ndarray, np.ndarray, int]:
     """Right-pad `prompts` to a whole number of prefill chunks.
 
@@ -225,10 +231,9 @@ def plan_requests(prompts, params, n: int, share_prefix: bool,
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     max_new = max(sp.max_new_tokens for sp in params)
     if shared:
-        cache_len = _bucket(int(lengths.max()), cache_multiple())
+        cache_len = _cache_slots(int(lengths.max()), tokens)
     else:
-        cache_len = _bucket(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), cache_multiple())
-    cache_len = max(cache_len, round_up(tokens.shape[1], cache_multiple()))  # every prefill chunk lands whole
+        cache_len = _cache_slots(max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)), tokens)
     plan = Plan(shared, n, tokens, lengths, chunk, max_new, cache_len)
     sequence_params = [sp for sp in params for _ in range(n)] if shared else params
     samples = list(range(n)) * (plan.S // n)
@@ -418,7 +423,6 @@ def teacher_forced_logits(
     steps = steps.pop()
     tokens, lengths, chunk = _pad_prompts(prompts, prefill_chunk_size)
     with mesh_context(model):
-        slots = max(_bucket(int(lengths.max()) + steps, cache_multiple()), round_up(tokens.shape[1], cache_multiple()))
-        cache = cache_for(model, len(prompts), slots, cache_dtype)
+        cache = cache_for(model, len(prompts), _cache_slots(int(lengths.max()) + steps, tokens), cache_dtype)
         return _teacher_forced(model, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                jnp.asarray(continuations, jnp.int32), chunk=chunk, compute=compute)
