@@ -28,7 +28,6 @@ Hugging Face). Rows are printed (and appended to `--out`) as they are measured.
 """
 
 import dataclasses
-import glob
 import itertools
 import sys
 import time
@@ -38,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-from decode_batch_probe import top_trace_ops
+from decode_batch_probe import traced
 from model_flops import decode_bytes_per_token, matmul_params, prefill_flops, train_flops
 from timing import median_times
 
@@ -195,12 +194,9 @@ def prefill_rows(model, cfg, args: Args, peak: float, sheet: tuple[float, float]
         sheet_mfu = "-" if sheet is None else f"{100 * tflops / sheet[0]:.0f}%"
         report(f"| {name} | {1e3 * seconds:,.1f} | {B * T / seconds:,.0f} | {100 * tflops / peak:.0f}% | {sheet_mfu} |")
         if args.profile_dir is not None:
-            trace_dir = f"{args.profile_dir}/prefill_{B}x{T}_{attention}"
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                eqx_tx.generate(model, prompts, one, compute=compute)
-            found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-            if found:
-                top = top_trace_ops(found[0], 20)
+            path, top = traced(f"{args.profile_dir}/prefill_{B}x{T}_{attention}",
+                               lambda: eqx_tx.generate(model, prompts, one, compute=compute), 20)
+            if path is not None:
                 report(f"|   device ops of one call (ms): {', '.join(f'{op} {ms:.1f}' for op, ms in top)} | | | | |")
 
 

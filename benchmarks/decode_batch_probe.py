@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,16 @@ def top_trace_ops(path: str, n: int = 15) -> list[tuple[str, float]]:
     return [(k, round(v, 2)) for k, v in total.most_common(n)]
 
 
+def traced(trace_dir: str, run: Callable[[], object], n: int = 15) -> tuple[str | None, list[tuple[str, float]]]:
+    """`run()` under `jax.profiler` (a Perfetto trace written into `trace_dir`): the
+    trace's path and its `n` device ops that took the most time (`None`, `[]`: no trace
+    was written)."""
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        run()
+    found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    return (found[0], top_trace_ops(found[0], n)) if found else (None, [])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[16, 32, 48, 64])
@@ -117,13 +128,11 @@ def main() -> None:
             row = {"batch": b, "attention": attention, "step_ms": round(step_ms, 2),
                    "roofline_ms": round(roofline_ms, 2), "of_roofline": f"{roofline_ms / step_ms:.0%}", **census(hlo)}
             if args.profile:
-                trace_dir = os.path.join(args.out_dir, f"trace_b{b}_{attention}")
-                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                    eqx_tx.generate(model, prompts, long, compute=compute)
-                found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-                if found:
-                    shutil.copy(found[0], os.path.join(args.out_dir, f"perfetto_b{b}_{attention}.json.gz"))
-                    row["top_device_ops_ms"] = top_trace_ops(found[0])
+                path, top = traced(os.path.join(args.out_dir, f"trace_b{b}_{attention}"),
+                                   lambda: eqx_tx.generate(model, prompts, long, compute=compute))
+                if path is not None:
+                    shutil.copy(path, os.path.join(args.out_dir, f"perfetto_b{b}_{attention}.json.gz"))
+                    row["top_device_ops_ms"] = top
             rows.append(row)
             print(json.dumps(row), flush=True)
     with open(os.path.join(args.out_dir, "rows.jsonl"), "w") as f:

@@ -13,7 +13,6 @@ sweep stops before `--budget-s`.
 """
 
 import dataclasses
-import glob
 import itertools
 import json
 import os
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-from decode_batch_probe import top_trace_ops
+from decode_batch_probe import traced
 from model_flops import decode_bytes_per_token, kv_element_bytes
 
 import eqx_tx
@@ -84,14 +83,11 @@ def measure(model, cfg, context: int, batch: int, dtype: str, attention: str, to
     assert int(state.step) == args.warm + args.steps
     profile = {}
     if args.profile_dir is not None:
-        trace_dir = os.path.join(args.profile_dir, f"trace_{context}_{batch}_{dtype}")
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(generation.decode(model, state, sampler, jnp.asarray(args.steps, jnp.int32),
-                                                    compute=compute))
-        found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-        if found:
-            profile["top_device_ops_ms_per_step"] = [(name, round(ms / args.steps, 4))
-                                                     for name, ms in top_trace_ops(found[0], 25)]
+        path, top = traced(os.path.join(args.profile_dir, f"trace_{context}_{batch}_{dtype}"),
+                           lambda: jax.block_until_ready(generation.decode(
+                               model, state, sampler, jnp.asarray(args.steps, jnp.int32), compute=compute)), 25)
+        if path is not None:
+            profile["top_device_ops_ms_per_step"] = [(name, round(ms / args.steps, 4)) for name, ms in top]
     live = (batch // args.n) * context + batch * (args.warm + args.steps / 2)  # a shared prompt's keys once
     step_bytes = decode_bytes_per_token(cfg, 2, kv_length=live,
                                         kv_bytes=kv_element_bytes(cfg.head_dim, dtype))

@@ -16,7 +16,6 @@ bucket and at `max_seqs` rows), and the ratio.
 """
 
 import dataclasses
-import glob
 import json
 import os
 import statistics
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-from decode_batch_probe import top_trace_ops
+from decode_batch_probe import traced
 
 import eqx_tx
 from eqx_tx.infer.scheduler import DecodeBatch, PrefillBatch
@@ -109,12 +108,8 @@ def main(args: Args) -> None:
     print(json.dumps(row), flush=True)
     if args.profile_dir is not None:
         for name, run in (("prefill", lambda: runner.prefill(prefill)), ("decode", lambda: runner.decode(small))):
-            trace_dir = os.path.join(args.profile_dir, name)
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                run()
-                jax.block_until_ready(runner.cache)
-            found = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-            top = top_trace_ops(found[0], 20) if found else []
+            _, top = traced(os.path.join(args.profile_dir, name),
+                            lambda run=run: (run(), jax.block_until_ready(runner.cache)), 20)
             print(json.dumps({"pass": name, "top_device_ops_ms": top}), flush=True)
 
 
