@@ -72,6 +72,18 @@ def top_trace_ops(path: str, n: int = 15) -> list[tuple[str, float]]:
     return [(k, round(v, 2)) for k, v in total.most_common(n)]
 
 
+def modules_time(path: str) -> float:
+    """ms the device spent running programs in a Perfetto trace: its "XLA Modules"
+    events (one per program run), summed (0.0 if the trace has none)."""
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and e["args"].get("name") == "XLA Modules"}
+    return round(sum(e.get("dur", 0) for e in events
+                     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads) / 1e3, 2)
+
+
 def traced(trace_dir: str, run: Callable[[], object], n: int = 15) -> tuple[str | None, list[tuple[str, float]]]:
     """`run()` under `jax.profiler` (a Perfetto trace written into `trace_dir`): the
     trace's path and its `n` device ops that took the most time (`None`, `[]`: no trace

@@ -6,8 +6,8 @@ pages through the prefix cache). Each sample runs to a length drawn from a
 log-normal (median `--median-new`, `--sigma`) clipped to [16, `--max-new`]: no stop
 token, so every run does the same work with a long tail, as RL answers have. The
 engine has `--max-seqs` slots and a pool of `--pool-gib` GiB; `Engine.warmup` compiles
-first, and the run after it is timed step by step (the engine's steps alone: the
-benchmark's bookkeeping between them is not counted).
+first, and the run after it is timed (its wall clock; stepped one by one, less the
+benchmark's page-by-page count between steps, while which the device idles).
 
 The roofline is the run's own schedule at the data sheet's rates: every step that
 decodes reads every weight once and the keys/values its rows hold (a shared prompt
@@ -21,12 +21,14 @@ counts a shared page once per row (`tokens_read`: what the decode kernel reads t
 import dataclasses
 import itertools
 import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from decode_batch_probe import modules_time, traced
 from model_flops import decode_bytes_per_token, kv_element_bytes, prefill_flops
 
 import eqx_tx
@@ -51,10 +53,12 @@ class Args:
     kv_dtypes: tuple[str, ...] = ("bf16",)
     """The pool's dtypes: `bf16` or `int8`."""
     mixed_steps: tuple[bool, ...] = (False,)
+    """`EngineConfig.mixed_steps` settings to run (each with every pool dtype)."""
     shared_decode_rows: tuple[int, ...] = (0,)
     """`EngineConfig.shared_decode_rows` settings (0: off; 8: a Qwen3-0.6B prompt's 8
     samples read its pages once per decode step)."""
-    """`EngineConfig.mixed_steps` settings to run (each with every pool dtype)."""
+    overlap_steps: tuple[bool, ...] = (True,)
+    """`EngineConfig.overlap_steps` settings (each with every other setting)."""
     bandwidth_gbs: float = 819.0
     """TPU v5e data sheet."""
     peak_tflops: float = 197.0
@@ -65,6 +69,12 @@ class Args:
     page-by-page `stats` between steps included; warmup not) and report the steps done
     so far (`"complete": false`; the roofline is those steps' own). A device call has
     a time limit that the 64-prompt workload can outlast."""
+    profile_dir: str | None = None
+    """After the timed loop (cut short by `--budget-s`), trace `--profile-steps` more
+    steps with `jax.profiler` here and report their wall time against the time the
+    device spent running programs (the rest: the host's planning, dispatch and
+    bookkeeping between steps), and the device ops that took the most time."""
+    profile_steps: int = 40
 
 
 def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
@@ -82,36 +92,43 @@ def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
     return out
 
 
-def run(model, cfg, kv: str, mixed: bool, share: int, args: Args) -> dict:
+def run(model, cfg, kv: str, mixed: bool, share: int, overlap: bool, args: Args) -> dict:
     element = kv_element_bytes(cfg.head_dim, kv)
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
     pool_tokens = int(args.pool_gib * 2**30 / token_bytes) // args.page_size * args.page_size
     engine = eqx_tx.Engine(model, max_seqs=args.max_seqs, page_size=args.page_size,
                            max_seq_len=args.prompt + args.max_new, max_tokens_in_cache=pool_tokens,
                            cache_dtype=jnp.int8 if kv == "int8" else None, mixed_steps=mixed,
-                           shared_decode_rows=share)
+                           shared_decode_rows=share, overlap_steps=overlap)
     t = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t
     # (a progress line: a run its device call cuts short still shows how far it got)
-    print(json.dumps({"kv": kv, "mixed_steps": mixed, "shared_decode_rows": share, "warmup_s": round(compile_s, 1)}),
-          flush=True)
+    setting = {"kv": kv, "mixed_steps": mixed, "shared_decode_rows": share, "overlap_steps": overlap}
+    print(json.dumps({**setting, "warmup_s": round(compile_s, 1)}), flush=True)
     sequences = workload(cfg, args)
     for prompt, params, sample in sequences:
         engine.add(prompt, params, sample=sample)
-    generated, steps, rows, held_s, read_s, seconds = 0, 0, 0, 0.0, 0.0, 0.0
+    generated, steps, rows, held_s, read_s, stats_s = 0, 0, 0, 0.0, 0.0, 0.0
     started = time.perf_counter()
     while engine.has_work() and (args.budget_s is None or time.perf_counter() - started < args.budget_s):
-        stats = engine.stats()  # counted page by page: outside the timed steps
         t = time.perf_counter()
-        events = engine.step()  # returns host tokens: the step has finished
-        seconds += time.perf_counter() - t
+        stats = engine.stats()  # counted page by page (not part of a step)
+        stats_s += time.perf_counter() - t
+        events = engine.step()  # host tokens (of the step before it, with overlap_steps)
         if events:
             steps += 1
             rows += len(events)
             held_s += decode_bytes_per_token(cfg, 2, kv_length=stats["tokens_held"], kv_bytes=element)
             read_s += decode_bytes_per_token(cfg, 2, kv_length=stats["tokens_read"], kv_bytes=element)
         generated += len(events)
+    # Stepped one by one, the device idles while `stats` counts: its time is not the
+    # engine's. Overlapped, the device runs the step in flight meanwhile, and the loop's
+    # wall clock is the engine's time (the host, stats included, waits for the device).
+    loop_s = time.perf_counter() - started
+    seconds = loop_s if overlap else loop_s - stats_s
+    profile = profile_steps(engine, args, "-".join(map(str, setting.values()))) \
+        if args.profile_dir is not None and engine.has_work() else {}
     stats = engine.stats()
     computed = stats["prompt_tokens"] - stats["cached_tokens"]
     prefill_s = prefill_flops(cfg, computed / args.prompt, args.prompt) / (args.peak_tflops * 1e12)
@@ -120,14 +137,37 @@ def run(model, cfg, kv: str, mixed: bool, share: int, args: Args) -> dict:
     complete = not engine.has_work()
     assert not complete or generated == sum(p.max_new_tokens for _, p, _ in sequences), generated
     del engine
-    return {"kv": kv, "mixed_steps": mixed, "shared_decode_rows": share, "sequences": len(sequences),
+    return {**setting, "sequences": len(sequences),
             "complete": complete, "generated": generated,
-            "seconds": round(seconds, 1),
+            "seconds": round(seconds, 1), "loop_s": round(loop_s, 1), "stats_s": round(stats_s, 1),
             "tokens_per_s": round(generated / seconds), "roofline_tokens_per_s": round(generated / roofline_s),
             "of_roofline": f"{roofline_s / seconds:.0%}", "of_roofline_read": f"{roofline_read_s / seconds:.0%}",
             "decode_steps": steps, "mean_rows": round(rows / max(steps, 1), 1),
             "prompt_tokens_computed": computed, "preemptions": stats["preemptions"],
-            "pool_tokens": pool_tokens, "warmup_s": round(compile_s, 1)}
+            "pool_tokens": pool_tokens, "warmup_s": round(compile_s, 1), **profile}
+
+
+def profile_steps(engine, args: Args, name: str) -> dict:
+    """`--profile-steps` more engine steps under `jax.profiler`: their wall ms and the
+    device's ms running programs in them."""
+    def steps():
+        rows = 0
+        for _ in range(args.profile_steps):
+            rows += len(engine.step())
+        return rows
+
+    out: dict = {}
+
+    def run():
+        t = time.perf_counter()
+        out["profiled_rows"] = steps() / args.profile_steps
+        out["profiled_wall_ms"] = round(1e3 * (time.perf_counter() - t), 1)
+
+    path, top = traced(os.path.join(args.profile_dir, name), run)
+    if path is not None:
+        out["profiled_device_ms"] = modules_time(path)
+        out["profiled_top_ops_ms"] = top
+    return {"profile": {"steps": args.profile_steps, **out}}
 
 
 def main(args: Args) -> None:
@@ -138,8 +178,9 @@ def main(args: Args) -> None:
     for kv in args.kv_dtypes:
         if kv not in ("bf16", "int8"):
             raise ValueError(f"--kv-dtypes: bf16 or int8, not {kv!r}")
-    for kv, mixed, share in itertools.product(args.kv_dtypes, args.mixed_steps, args.shared_decode_rows):
-        print(json.dumps(run(model, cfg, kv, mixed, share, args)), flush=True)
+    for kv, mixed, share, overlap in itertools.product(args.kv_dtypes, args.mixed_steps, args.shared_decode_rows,
+                                                       args.overlap_steps):
+        print(json.dumps(run(model, cfg, kv, mixed, share, overlap, args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,24 +17,34 @@ def _scheduler(**kw) -> Scheduler:
 
 
 def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda request_id, i: 7 + i % 5,
-         max_steps=500):
+         max_steps=500, overlap=False, before_step=lambda step: None):
     """Step the scheduler to the end as a device would, on a simulated page pool: each
     plan's writes go to the pages its tables name. At every decode step each request's
     table must read back exactly its own prompt and tokens so far (what attention
     reads), and it must write into a page it owns. `pool`: the simulated pool of earlier
-    runs (pages cached there hold what they held). Returns the events by request and
+    runs (pages cached there hold what they held). `overlap`: each step is planned (and
+    run) before the one before it is recorded, as the engine's `overlap_steps` does.
+    `before_step(i)` runs before step `i` is planned. Returns the events by request and
     the number of positions prefilled."""
     if pool is None:
         pool = np.full((sched.num_pages + 1, PAGE), -1)  # the last row: writes that are dropped
     events: dict[int, list] = {}
     prefilled = 0
+    in_flight = None
 
     def write(table_row, pos, token):
         pool[min(int(table_row[pos // PAGE]), sched.num_pages), pos % PAGE] = token
 
-    for _ in range(max_steps):
+    def record(d, tokens):
+        for e in sched.finish_step(d, tokens, np.zeros(len(d.rows), np.float32)):
+            events.setdefault(e.request_id, []).append(e)
+
+    for step in range(max_steps):
         if not sched.has_work():
+            if in_flight is not None:  # rows only of requests that ended: nothing is recorded
+                assert not [e for e in sched.finish_step(*in_flight, np.zeros(len(in_flight[0].rows)))]
             return events, prefilled
+        before_step(step)
         plan = sched.schedule()
         assert plan.mixed == (sched.mixed and plan.prefill is not None)
         if plan.mixed:
@@ -50,7 +60,10 @@ def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda reque
                         assert b.table[row, pos // PAGE] != sched.num_pages, "prefill writes to an unallocated page"
                         prefilled += 1
                     write(b.table[row], pos, b.tokens[row, pos - int(b.start[row])])
+        done, in_flight = in_flight, None
         if plan.decode is None:
+            if done is not None:
+                record(*done)
             continue
         d = plan.decode
         tokens = np.zeros(len(d.rows), np.int32)
@@ -58,26 +71,31 @@ def _run(sched: Scheduler, pool: np.ndarray | None = None, token_of=lambda reque
             assert len(d.rows) % d.share_rows == 0 and (d.rows[np.setdiff1d(np.arange(len(d.rows)), d.row_of())]
                                                         == sched.max_seqs).all()
         for i, r in zip(d.row_of(), d.requests):
-            pos = int(d.positions[i])
-            assert pos == len(r.prompt) + len(r.tokens) and d.generated[i] == len(r.tokens)
+            pos, g = int(d.positions[i]), int(d.generated[i])  # (the steps before, recorded or not)
+            assert pos == len(r.prompt) + g and g == r.decoded - 1 and len(r.tokens) <= g < r.params.max_new_tokens
             assert d.table[i, pos // PAGE] != sched.num_pages, "a decode step writes to an unallocated page"
             read = [pool[int(d.table[i, t // PAGE]), t % PAGE] for t in range(pos)]
-            assert read == r.prompt + r.tokens, f"request {r.id} reads another context"
-            tokens[i] = token_of(r.id, len(r.tokens))
+            assert read == r.prompt + [token_of(r.id, j) for j in range(g)], f"request {r.id} reads another context"
+            tokens[i] = token_of(r.id, g)
             write(d.table[i], pos, tokens[i])
-        for e in sched.finish_step(d, tokens, np.zeros(len(d.rows), np.float32)):
-            events.setdefault(e.request_id, []).append(e)
+        if done is not None:
+            record(*done)
+        if overlap:
+            in_flight = d, tokens
+        else:
+            record(d, tokens)
     raise AssertionError("the scheduler did not finish")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all(mixed):
+def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all(mixed, overlap):
     sched = _scheduler(mixed=mixed)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 50, int(rng.integers(1, 14))).tolist() for _ in range(7)]
     wanted = [int(rng.integers(1, 12)) for _ in prompts]
     ids = [sched.add(p, SamplingParams(max_new_tokens=n), sample=0, adapter=None, stop=()) for p, n in zip(prompts, wanted)]
-    events, _ = _run(sched)
+    events, _ = _run(sched, overlap=overlap)
     for i, p, n in zip(ids, prompts, wanted):
         result = sched.finished.pop(i)
         assert result.tokens == [7 + k % 5 for k in range(n)] and result.stop_reason == "length"
@@ -86,37 +104,73 @@ def test_every_request_runs_to_its_length_through_a_pool_too_small_for_all(mixed
     assert sched.stats()["pages_in_use"] == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_the_newest_request_is_preempted_and_resumes_where_it_stopped(mixed):
+def test_the_newest_request_is_preempted_and_resumes_where_it_stopped(mixed, overlap):
     # Two slots, 6 pages: two requests that each grow to 4 pages cannot both finish at once.
     sched = _scheduler(max_seqs=2, num_pages=6, pages_per_seq=4, mixed=mixed)
     a = sched.add([1] * 3, SamplingParams(max_new_tokens=12), sample=0, adapter=None, stop=())
     b = sched.add([2] * 3, SamplingParams(max_new_tokens=12), sample=0, adapter=None, stop=())
-    events, _ = _run(sched)
+    events, _ = _run(sched, overlap=overlap)
     assert sched.preemptions >= 1
     for i in (a, b):
         assert sched.finished.pop(i).tokens == [7 + k % 5 for k in range(12)]
         assert len(events[i]) == 12
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_a_stop_token_ends_a_request_and_a_shared_prefix_is_computed_once(mixed):
+def test_a_stop_token_ends_a_request_and_a_shared_prefix_is_computed_once(mixed, overlap):
     sched = _scheduler(prefill_rows=1, mixed=mixed)
     system = list(range(1, 13))  # three full pages
     first = sched.add(system + [20], SamplingParams(max_new_tokens=9), sample=0, adapter=None, stop=(8,))
     pool = np.full((sched.num_pages + 1, PAGE), -1)
-    events, _ = _run(sched, pool)
+    events, _ = _run(sched, pool, overlap=overlap)
     assert sched.finished.pop(first).tokens == [7, 8] and events[first][-1].finish_reason == "stop"
     second = sched.add(system + [21], SamplingParams(max_new_tokens=2), sample=0, adapter=None, stop=())
-    _, prefilled = _run(sched, pool)
+    _, prefilled = _run(sched, pool, overlap=overlap)
     assert sched.finished.pop(second).stop_reason == "length"
     assert prefilled == 1  # the three system pages came from the prefix cache
     assert sched.stats()["cached_tokens"] == 12
     # Another adapter's request shares nothing.
     sched.bank = True
     third = sched.add(system + [22], SamplingParams(max_new_tokens=1), sample=0, adapter=1, stop=())
-    _, prefilled = _run(sched, pool)
+    _, prefilled = _run(sched, pool, overlap=overlap)
     assert prefilled == 13 and sched.finished.pop(third).tokens == [7]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_overlapped_steps_record_what_steps_one_by_one_record(mixed):
+    """Each step planned and run before the one before it is recorded (the engine's
+    `overlap_steps`), through a pool too small for all (preemptions, some of requests
+    whose last token was not yet recorded) with tokens that stop requests early: every
+    request ends with the tokens and reason of steps run one by one, every read is its
+    own context (`_run`), and the pool ends empty. A request cancelled while its token
+    is in flight gets no event after it, and the others run on."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 50, int(rng.integers(1, 14))).tolist() for _ in range(9)]
+    wanted = [int(rng.integers(1, 16)) for _ in prompts]
+
+    def token_of(request_id, i):
+        return 3 if (3 * request_id + i) % 11 == 10 else 7 + i % 5  # 3 stops
+
+    def run(overlap, cancel=None):
+        sched = _scheduler(max_seqs=4, num_pages=10, mixed=mixed)
+        for p, n in zip(prompts, wanted):
+            sched.add(p, SamplingParams(max_new_tokens=n), sample=0, adapter=None, stop=(3,))
+        hook = (lambda step: None) if cancel is None else (lambda step: step == cancel[1] and sched.cancel(cancel[0]))
+        events, _ = _run(sched, token_of=token_of, overlap=overlap, before_step=hook)
+        assert sched.pool.referenced == 0 and not sched.has_work() and sched.preemptions > 0
+        return {i: [(e.token, e.finish_reason) for e in es] for i, es in events.items()}, sched
+
+    one_by_one, _ = run(False)
+    overlapped, sched = run(True)
+    assert overlapped == one_by_one
+    assert {es[-1][1] for es in one_by_one.values()} == {"stop", "length"}
+    # Cancel request 0 at a step where it has recorded tokens and one in flight.
+    cancelled, sched = run(True, cancel=(0, 6))
+    assert 0 < len(cancelled[0]) < len(one_by_one[0]) and cancelled[0][-1][1] is None and 0 not in sched.finished
+    assert {i: es for i, es in cancelled.items() if i} == {i: es for i, es in one_by_one.items() if i}
 
 
 def test_samples_of_a_prompt_decode_in_runs_that_share_its_pages():

@@ -7,8 +7,9 @@
 that admits, preempts and plans each step on the host, and a `Runner`
 (`eqx_tx.infer.runner`) that executes the plan's prefill chunk and decode step on
 the device, one after the other or in one pass through the model
-(`EngineConfig.mixed_steps`). Each `step()` plans, runs, and records the sampled
-tokens.
+(`EngineConfig.mixed_steps`). Each `step()` plans a step and launches it, then
+records the tokens of the step before it (`EngineConfig.overlap_steps`: the host's
+planning and bookkeeping run while the device computes; off: each step's own).
 
 A finished request's slot and pages go to the next waiting request at once (its
 full pages stay cached until the space is needed). With a LoRA adapter bank
@@ -35,9 +36,9 @@ from ..kernels.dispatch import target_platform
 from ..layers.lora import check_adapter_ids, has_bank, set_adapter_slot
 from ..models import CausalLM
 from .config import EngineConfig
-from .runner import Runner
+from .runner import OnDevice, Runner
 from .sampling import SamplingParams
-from .scheduler import Scheduler, TokenEvent
+from .scheduler import DecodeBatch, Scheduler, StepPlan, TokenEvent
 from .steps import Generation, check_requests
 
 __all__ = ["Engine", "EngineConfig", "TokenEvent"]
@@ -98,6 +99,7 @@ class Engine:
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)
+        self._in_flight: tuple[DecodeBatch, OnDevice] | None = None  # a launched decode step not yet recorded
 
     def set_model(self, model: CausalLM) -> None:
         """Sample from new weights from now on (e.g. after a training step: the arrays
@@ -155,7 +157,7 @@ class Engine:
         return self.scheduler.add(prompt, params, sample=sample, adapter=adapter, stop=stop, score=score)
 
     def has_work(self) -> bool:
-        """Whether any request is waiting or running."""
+        """Whether any request is waiting or running (or has a token not yet returned by `step`)."""
         return self.scheduler.has_work()
 
     def result(self, request_id: int) -> Generation:
@@ -205,18 +207,28 @@ class Engine:
         return self.scheduler.stats()
 
     def step(self) -> list[TokenEvent]:
-        """Plan (admit, one prefill chunk, one decode step), run the plan, record the tokens.
+        """Plan (admit, one prefill chunk, one decode step) and launch it; record the
+        tokens of the step launched before it (`overlap_steps`) or of this one.
 
-        **Returns:** the new tokens, one event per running request."""
-        plan = self.scheduler.schedule()
+        **Returns:** the recorded tokens, one event per request that is still running
+        or ended with its token."""
+        launched = self._launch(self.scheduler.schedule())
+        done, self._in_flight = self._in_flight, launched
+        if not self.config.overlap_steps:
+            done, self._in_flight = launched, None
+        if done is None:
+            return []
+        batch, sampled = done
+        return self.scheduler.finish_step(batch, *self.runner.fetch(sampled))
+
+    def _launch(self, plan: StepPlan) -> tuple[DecodeBatch, OnDevice] | None:
+        """Run `plan`'s prefill chunk (its scores recorded) and launch its decode rows
+        (returned with their outputs, on the device)."""
         if plan.mixed:
             assert plan.prefill is not None and plan.decode is not None
-            scores, (tokens, logprobs, top) = self.runner.mixed(plan.prefill, plan.decode)
+            scores, sampled = self.runner.mixed(plan.prefill, plan.decode)
             self.scheduler.finish_prefill(plan.prefill, scores)
-            return self.scheduler.finish_step(plan.decode, tokens, logprobs, top)
+            return plan.decode, sampled
         if plan.prefill is not None:
             self.scheduler.finish_prefill(plan.prefill, self.runner.prefill(plan.prefill))
-        if plan.decode is None:
-            return []
-        tokens, logprobs, top = self.runner.decode(plan.decode)
-        return self.scheduler.finish_step(plan.decode, tokens, logprobs, top)
+        return None if plan.decode is None else (plan.decode, self.runner.decode(plan.decode))

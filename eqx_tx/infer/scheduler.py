@@ -74,6 +74,13 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     score: tuple[int, int] | None = None  # (last n prompt tokens, top k) to score
     scores: dict[int, tuple] = dataclasses.field(default_factory=dict)  # position -> (logp, top ids, top logps)
+    pending: int = 0  # tokens of planned decode steps not yet recorded (`finish_step`)
+    ended: bool = False  # finished or cancelled: rows of it in steps still running are dropped
+
+    @property
+    def decoded(self) -> int:
+        """Tokens sampled for it: recorded, and planned in steps not yet finished."""
+        return len(self.tokens) + self.pending
 
     @property
     def scores_missing(self) -> bool:
@@ -193,7 +200,8 @@ class Scheduler:
         return request.id
 
     def has_work(self) -> bool:
-        """Whether any request is waiting or running."""
+        """Whether any request is waiting or running (a request whose last token is
+        planned but not yet recorded is still running)."""
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     def uses_adapter(self, adapter: int) -> bool:
@@ -201,13 +209,10 @@ class Scheduler:
         return any(r is not None and r.adapter == adapter for r in (*self.waiting, *self.slots))
 
     def cancel(self, request_id: int) -> None:
-        """Drop a waiting or running request (its slot and pages freed) or a kept result."""
+        """Drop a waiting or running request (its slot and pages freed; its rows in
+        planned steps not yet finished are dropped) or a kept result."""
         self.finished.pop(request_id, None)
-        for request in self.waiting:
-            if request.id == request_id:
-                self.waiting.remove(request)
-                return
-        for request in self.slots:
+        for request in (*self.waiting, *self.slots):
             if request is not None and request.id == request_id:
                 self._finish(request, None)
                 return
@@ -289,9 +294,17 @@ class Scheduler:
                     top: tuple[np.ndarray, np.ndarray] | None = None) -> list[TokenEvent]:
         """Record each running request's new token (row `i` of `tokens`, `logprobs`, and
         of the alternatives `top = (ids, logprobs)` if given); finished requests free
-        their slot and pages. Returns one event per request."""
+        their slot and pages. Returns one event per request.
+
+        Steps are finished in the order they were planned, and a step may be planned
+        before the one before it is finished (`Engine`'s overlapped steps): it then
+        decodes every request that has not reached its length, and a request whose
+        earlier token turns out to stop it has its row dropped here (no event)."""
         events = []
         for i, r in zip(batch.row_of(), batch.requests):
+            if r.ended:
+                continue
+            r.pending -= 1
             t, lp = int(tokens[i]), float(logprobs[i])
             r.tokens.append(t)
             r.logprobs.append(lp)
@@ -306,6 +319,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
             request = self.waiting[0]
+            # (preempted while planning step t + 1, its token of step t is recorded before step t + 2 is planned)
+            assert not request.pending, "a request is admitted before its last token is recorded"
             context = request.prompt + request.tokens  # tokens: those of a preempted request
             pages = min(request.pages_needed, ceil_div(len(context) + 1, self.page_size))
             if not self.pool.promise(pages):
@@ -419,11 +434,12 @@ class Scheduler:
                             top_k)
 
     def _decoding(self) -> list[Request]:
-        """The running requests, oldest first, each with a page for this step's token
-        (handed out oldest first; preempted requests are left out)."""
-        running = sorted((r for r in self.slots if r is not None and r.running), key=lambda r: r.admitted)
+        """The running requests short of their length, oldest first, each with a page
+        for this step's token (handed out oldest first; preempted requests are left out)."""
+        running = sorted((r for r in self.slots if r is not None and r.running and r.decoded < r.params.max_new_tokens),
+                         key=lambda r: r.admitted)
         for r in running:  # a page for this step's token where the last one is full
-            if r.slot is not None and (len(r.prompt) + len(r.tokens)) // self.page_size >= len(r.pages):
+            if r.slot is not None and (len(r.prompt) + r.decoded) // self.page_size >= len(r.pages):
                 self._page_for(r)
         return [r for r in running if r.slot is not None]
 
@@ -456,8 +472,9 @@ class Scheduler:
         requests = [r for r in layout if r is not None]
         for i, r in zip(at, requests):
             assert r.slot is not None
-            position = len(r.prompt) + len(r.tokens)  # where this step's token is written
-            rows[i], table[i], positions[i], generated[i] = r.slot, self.table[r.slot], position, len(r.tokens)
+            position = len(r.prompt) + r.decoded  # where this step's token is written
+            rows[i], table[i], positions[i], generated[i] = r.slot, self.table[r.slot], position, r.decoded
+            r.pending += 1
         return DecodeBatch(tuple(requests), rows, table, positions, generated, self._adapter_ids(requests, R, at),
                            np.asarray(at, np.int32) if share_rows else None, share_rows)
 
@@ -507,8 +524,13 @@ class Scheduler:
         request.slot = None
 
     def _finish(self, request: Request, reason: str | None) -> None:
-        """Free the request; keep its result unless it was cancelled (`reason` None)."""
-        self._release(request)
+        """Free the request (running, or preempted and waiting); keep its result unless
+        it was cancelled (`reason` None)."""
+        request.ended = True
+        if request.slot is None:
+            self.waiting.remove(request)
+        else:
+            self._release(request)
         if reason is not None:
             assert reason in STOP_REASONS
             self.finished[request.id] = Generation(request.tokens, request.logprobs, reason, _prompt_scores(request))
