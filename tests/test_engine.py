@@ -97,6 +97,12 @@ def test_smallest_shapes_pad_short_chunks_and_few_rows_and_change_no_result(chec
     _assert_equal_to_generate(model, requests, results)
     with pytest.raises(ValueError, match="min_decode_rows must be a power of two, got 3"):
         eqx_tx.EngineConfig(min_decode_rows=3)
+    # Runs of rows sharing a prompt's pages: by default on a TPU alone, as many rows as fit their query heads
+    # in the kernel's 128-row tile (Qwen3-0.6B's 16 heads: 8; 32 heads over tp=8: 32; 96: 1, which is no run).
+    auto, eight = EngineConfig(), EngineConfig(shared_decode_rows=8)
+    assert [auto.decode_run_rows("tpu", h) for h in (16, 32, 4, 12, 96)] == [8, 4, 32, 8, 0]
+    assert auto.decode_run_rows("gpu", 16) == auto.decode_run_rows("cpu", 16) == defaults.share_rows == 0
+    assert eight.decode_run_rows("cpu", 16) == 8 and EngineConfig(shared_decode_rows=0).decode_run_rows("tpu", 16) == 0
 
 
 def test_tp_int8_engine_equals_generate(checkpoints):

@@ -47,18 +47,18 @@ class EngineConfig:
     against 39.8 for the two: the passes are bound by the chunk's FLOPs and the rows'
     keys/values, not by the weights, and the padding rows cost. On CPU separate
     passes are faster too (`benchmarks/benchmark_engine.py`)."""
-    shared_decode_rows: int = 0
+    shared_decode_rows: int | None = None
     """Lay each decode step out in runs of this many rows (a power of two; 0: off) of
     requests whose first page is one page (the `n` samples of a prompt, requests of
     one cached system prompt), padded, so that the TPU decode kernel reads the leading
     pages a run shares once for the whole run (`decode_attention_blocks_shared`)
-    instead of once per row. For RL's samples of long prompts this can cut a step's
-    bytes by nearly the prompt's share of them; a run holds at least half its rows
-    (padding rows cost MLP, LM head and sampler rows). Other attention paths read row
-    by row (logged). Off: on a TPU v5e the RL workload ran at 35% of its roofline with
-    8 against 45% without, before the kernel's grid went ragged and runs had to be half
-    full (not re-measured). A natural setting is 128 // query heads per device (8 for
-    Qwen3-0.6B)."""
+    instead of once per row. For RL's samples of long prompts this cuts a step's bytes
+    by nearly the prompt's share of them; a run holds at least half its rows (padding
+    rows cost MLP, LM head and sampler rows). Default: on a TPU, the most rows whose
+    query heads fit the kernel's 128-row tile (128 // query heads per device, a power
+    of two: 8 for Qwen3-0.6B), elsewhere 0 (other attention paths read row by row).
+    On a TPU v5e the RL workload (`benchmarks/rl_workload.py`, 90 s of it, steps one
+    by one) ran at 51% of its roofline with 8 against 45% without."""
     overlap_steps: bool = True
     """Launch each step before recording the tokens of the one before it, so that the
     host's planning, dispatch and bookkeeping (a few ms a step) run while the device
@@ -79,7 +79,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.shared_decode_rows < 0 or self.shared_decode_rows & (self.shared_decode_rows - 1):
+        share = self.shared_decode_rows
+        if share is not None and (share < 0 or share & (share - 1)):
             raise ValueError(f"shared_decode_rows must be 0 or a power of two, got {self.shared_decode_rows}")
         if self.max_tokens_in_cache < self.page_size:
             raise ValueError(f"max_tokens_in_cache {self.max_tokens_in_cache} holds no page of {self.page_size} tokens")
@@ -87,6 +88,14 @@ class EngineConfig:
             raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+
+    def decode_run_rows(self, platform: str, query_heads: int) -> int:
+        """`shared_decode_rows` in effect on `platform` (`"tpu"`, `"gpu"`, `"cpu"`) for a
+        model with `query_heads` query heads per device."""
+        if self.shared_decode_rows is not None:
+            return self.shared_decode_rows
+        fit = 128 // query_heads  # a run's query heads in the TPU kernel's 128-row tile
+        return 1 << (fit.bit_length() - 1) if platform == "tpu" and fit >= 2 else 0
 
     @property
     def num_pages(self) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..core.compute import ComputeConfig
 from ..core.log import log_once
-from ..core.sharding import current_mesh, mesh_context
+from ..core.sharding import RULES, current_mesh, mesh_axis_size, mesh_context
 from ..core.util import ceil_div
 from ..kernels.dispatch import target_platform
 from ..layers.lora import check_adapter_ids, has_bank, set_adapter_slot
@@ -76,7 +76,11 @@ class Engine:
         self._bank = has_bank(model)
         self._pages_per_seq, self._cache_dtype = pages_per_seq, cache_dtype
         with mesh_context(model):
-            on_cpu = target_platform(current_mesh()) == "cpu"
+            mesh = current_mesh()
+            platform = target_platform(mesh)
+            heads = mc.num_attention_heads // mesh_axis_size(mesh, RULES["heads"])
+        on_cpu = platform == "cpu"
+        self.share_rows = config.decode_run_rows(platform, heads)
         self._min_chunk = config.min_prefill_chunk or (16 if on_cpu else 128)
         self._min_rows = config.min_decode_rows or (1 if on_cpu else 8)
         self._mixed = config.mixed_steps and not mc.rope.depends_on_length
@@ -95,7 +99,7 @@ class Engine:
                                    prefill_rows=config.prefill_rows, bank=self._bank, first_id=first_id,
                                    score_top_k=config.max_top_logprobs, mixed=self._mixed,
                                    min_chunk=self._min_chunk, min_rows=self._min_rows,
-                                   share_rows=config.shared_decode_rows)
+                                   share_rows=self.share_rows)
         self.runner = Runner(self.model, num_pages=self.num_pages, page_size=config.page_size,
                              max_seqs=config.max_seqs, pages_per_seq=self._pages_per_seq, dtype=self._cache_dtype,
                              compute=self.compute, top_logprobs=config.max_top_logprobs)
