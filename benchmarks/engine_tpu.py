@@ -48,8 +48,10 @@ class Args:
 
 
 def timed_run(engine, requests, cfg, kv: str, args: Args) -> dict:
-    """Step the engine through `requests`, timing every step (the steps alone: the
-    statistics read between them are not counted). Returns the whole run's
+    """Step the engine through `requests`, timing every step (stepped one by one, the
+    steps alone, not the statistics read between them, while which the device idles;
+    overlapped (`EngineConfig.overlap_steps`), the statistics too: the device runs the
+    step in flight meanwhile). Returns the whole run's
     generated tokens/s and its decode-only steps' (those that ran no prefill chunk)
     tokens/s and share of their own roofline (each step's rows and the keys/values they
     held before it, every weight read once per step)."""
@@ -57,11 +59,12 @@ def timed_run(engine, requests, cfg, kv: str, args: Args) -> dict:
         engine.add(prompt, params)
     generated, decode_s, decode_tokens, decode_bytes, seconds = 0, 0.0, 0, 0.0, 0.0
     while engine.has_work():
-        held = engine.stats()["tokens_held"]  # counted page by page: outside the timed steps
-        ran = engine.scheduler.prefill_chunks
         t = time.perf_counter()
-        events = engine.step()  # returns host tokens: the step has finished
-        dt = time.perf_counter() - t
+        held = engine.stats()["tokens_held"]  # counted page by page
+        ran = engine.scheduler.prefill_chunks
+        counted = time.perf_counter()
+        events = engine.step()  # host tokens (of the step before it, with overlap_steps)
+        dt = time.perf_counter() - (t if engine.config.overlap_steps else counted)
         seconds += dt
         generated += len(events)
         if engine.scheduler.prefill_chunks == ran and events:  # a step that ran no prefill chunk
