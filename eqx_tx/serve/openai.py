@@ -435,9 +435,8 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                                 f"got {max(map(len, prompts))}", "prompt")
         job = _Job(loop, tokenizer, prompts, params, body.n, _stops(body.stop), adapter, score)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echoed: list[tuple[str, dict]] | None = None
 
-        def logprobs(c: _Choice, since: int) -> dict | None:
+        def logprobs(c: _Choice, since: int, echoed: list[tuple[str, dict]] | None) -> dict | None:
             if body.logprobs is None:
                 return None
             tokens = c.tokens[since:]
@@ -450,7 +449,9 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
                 found = {k: None if v is None or before[k] is None else before[k] + v for k, v in found.items()}
             return found
 
-        def choice(job: _Job, i: int, delta: bool) -> dict:
+        def choice(job: _Job, i: int, delta: bool, echoed: list[tuple[str, dict]] | None = None) -> dict:
+            """Choice `i`'s text and logprobs (`delta`: since the last chunk; `echoed`: the
+            prompts' text and entries first, `echo_prompts`)."""
             c = job.choices[i]
             text = c.text[c.sent :] if delta else c.text
             if delta:
@@ -458,17 +459,16 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str,
             elif echoed is not None:
                 text = echoed[c.prompt][0] + text
             return {"index": i, "text": text, "finish_reason": c.finish_reason,
-                    "logprobs": logprobs(c, len(c.tokens) - 1 if delta else 0)}
+                    "logprobs": logprobs(c, len(c.tokens) - 1 if delta else 0, echoed)}
 
         def chunk(job: _Job, i: int, first: bool) -> dict:
             c = {"index": i, "text": "", "finish_reason": None, "logprobs": None} if first else choice(job, i, True)
             return {"id": ident, "object": "text_completion", "created": created, "model": body.model, "choices": [c]}
 
         def final(job: _Job) -> dict:
-            nonlocal echoed
-            echoed = echo_prompts(body, prompts, job) if body.echo else None
+            echoed = echo_prompts(body, prompts, job) if body.echo else None  # (scored by the time the job is done)
             return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [choice(job, i, False) for i in range(len(job.choices))], "usage": job.usage()}
+                    "choices": [choice(job, i, False, echoed) for i in range(len(job.choices))], "usage": job.usage()}
 
         return await run(job, ident, "/v1/completions", body, chunk, final, "text_completion")
 
