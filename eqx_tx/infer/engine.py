@@ -217,9 +217,10 @@ class Engine:
         **Returns:** the recorded tokens, one event per request that is still running
         or ended with its token."""
         launched = self._launch(self.scheduler.schedule())
-        done, self._in_flight = self._in_flight, launched
-        if not self.config.overlap_steps:
-            done, self._in_flight = launched, None
+        if self.config.overlap_steps:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
         if done is None:
             return []
         batch, sampled = done
