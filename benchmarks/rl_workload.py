@@ -150,17 +150,11 @@ def run(model, cfg, kv: str, mixed: bool, share: int, overlap: bool, args: Args)
 def profile_steps(engine, args: Args, name: str) -> dict:
     """`--profile-steps` more engine steps under `jax.profiler`: their wall ms and the
     device's ms running programs in them."""
-    def steps():
-        rows = 0
-        for _ in range(args.profile_steps):
-            rows += len(engine.step())
-        return rows
-
     out: dict = {}
 
     def run():
         t = time.perf_counter()
-        out["profiled_rows"] = steps() / args.profile_steps
+        out["profiled_rows"] = sum(len(engine.step()) for _ in range(args.profile_steps)) / args.profile_steps
         out["profiled_wall_ms"] = round(1e3 * (time.perf_counter() - t), 1)
 
     path, top = traced(os.path.join(args.profile_dir, name), run)
