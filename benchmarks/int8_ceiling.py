@@ -1,0 +1,138 @@
+"""On a TPU: what bounds the decode kernel over an int8 cache: its bytes, their
+conversion to bf16, or the rest of its fold.
+
+Minimal Pallas kernels stream `--blocks` key and value blocks (each `[128 tokens x 8
+kv heads, 128]`, the decode kernel's tile, `--rows-per-step` rows per grid step) from
+HBM through VMEM, and do successively more of the decode kernel's work on each; 16
+query heads. The median of `--repeats` calls of each, beside its bytes at the data
+sheet's bandwidth:
+
+- `dma`: the blocks land in VMEM; one tile of each is touched. The bandwidth ceiling.
+- `matmuls`: `s = q k^T` and `s v` with bf16 operands (an int8 block converted to
+  bf16), float32 accumulation: the MXU's work and, for int8, the conversion.
+- `fold`: `matmuls` plus the decode kernel's masking and online softmax (no int8
+  scales).
+- `f32`: `matmuls` with an int8 block converted to float32 instead (one MXU pass).
+- `int8_mxu` (int8 only): both matmuls on int8 operands (q and p rounded to int8),
+  int32 accumulation: no conversion of the blocks.
+
+    python benchmarks/int8_ceiling.py
+"""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from timing import median_times
+
+KV_HEADS, HEAD_DIM, HEADS, BLOCK = 8, 128, 16, 128
+ROWS = BLOCK * KV_HEADS  # one block's rows, kv heads folded in
+VARIANTS = ("dma", "matmuls", "fold", "f32", "int8_mxu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    blocks: int = 4096
+    """128-token blocks streamed per call (keys and values each)."""
+    rows_per_step: tuple[int, ...] = (1024, 4096)
+    """Rows per grid step (1024: one 128-token block of 8 kv heads)."""
+    dtypes: tuple[str, ...] = ("bf16", "int8")
+    variants: tuple[str, ...] = VARIANTS
+    repeats: int = 20
+    bandwidth_gbs: float = 819.0
+    """The roofline's bandwidth (TPU v5e data sheet)."""
+    interpret: bool = False
+    """Run in Pallas's interpreter (a check of the kernels off a TPU; no timing worth reading)."""
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, acc_ref, m_ref, l_ref, *, variant: str):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, -1e30, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+    if variant == "dma":
+        acc_ref[:8] += k_ref[:8].astype(jnp.float32) + v_ref[:8].astype(jnp.float32)
+    elif variant == "int8_mxu":
+        q = q_ref[...].astype(jnp.int8)
+        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        p = jnp.clip(s >> 12, -127, 127).astype(jnp.int8)
+        acc_ref[...] += jax.lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.int32).astype(jnp.float32)
+    else:
+        dtype = jnp.float32 if variant == "f32" else jnp.bfloat16
+        q = q_ref[...].astype(dtype)
+        k, v = k_ref[...].astype(dtype), v_ref[...].astype(dtype)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.088
+        if variant == "fold":
+            row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            ok = (col % KV_HEADS == row // (HEADS // KV_HEADS)) & (col // KV_HEADS < 100_000)
+            s = jnp.where(ok, s, -1e30)
+            m_prev = m_ref[...]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_new)
+            s = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+            l_ref[...] = alpha * l_ref[...] + jnp.sum(s, axis=1, keepdims=True)
+            m_ref[...] = m_new
+            acc_ref[...] *= alpha[:, :1]
+        acc_ref[...] += jax.lax.dot_general(s.astype(dtype), v, (((1,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+    o_ref[...] = acc_ref[...] + l_ref[:, :1]
+
+
+def stream(q, k, v, *, variant: str, rows_per_step: int, interpret: bool):
+    """One pass of `variant` over every block of `k, v` (`[blocks * ROWS, HEAD_DIM]`)."""
+    spec = pl.BlockSpec((rows_per_step, HEAD_DIM), lambda i: (i, 0))
+    fixed = pl.BlockSpec((HEADS, HEAD_DIM), lambda i: (0, 0))
+    return pl.pallas_call(
+        functools.partial(_kernel, variant=variant),
+        grid=(k.shape[0] // rows_per_step,),
+        in_specs=[fixed, spec, spec],
+        out_specs=fixed,
+        out_shape=jax.ShapeDtypeStruct((HEADS, HEAD_DIM), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((HEADS, HEAD_DIM), jnp.float32), pltpu.VMEM((HEADS, 128), jnp.float32),
+                        pltpu.VMEM((HEADS, 128), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+    )(q, k, v)
+
+
+def main(args: Args) -> None:
+    if jax.default_backend() != "tpu" and not args.interpret:
+        raise SystemExit(f"int8_ceiling compiles its kernels with Mosaic: it needs a TPU "
+                         f"(backend is {jax.default_backend()}; --interpret checks them elsewhere)")
+    rng = np.random.default_rng(0)
+    shape = (args.blocks * ROWS, HEAD_DIM)
+    q = jnp.asarray(rng.standard_normal((HEADS, HEAD_DIM)), jnp.bfloat16)
+    for dtype in args.dtypes:
+        if dtype == "int8":
+            k, v = (jax.device_put(rng.integers(-127, 128, shape, dtype=np.int8)) for _ in range(2))
+        else:
+            k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(0)))
+        read = 2 * k.size * k.dtype.itemsize
+        for rows in args.rows_per_step:
+            calls = {}
+            for variant in args.variants:
+                if variant == "int8_mxu" and dtype != "int8":
+                    continue
+                fn = jax.jit(functools.partial(stream, variant=variant, rows_per_step=rows, interpret=args.interpret))
+                compiled = fn.lower(q, k, v).compile()
+                calls[variant] = lambda c=compiled: jax.block_until_ready(c(q, k, v))
+            for variant, seconds in median_times(calls, args.repeats).items():
+                print(json.dumps({"kv": dtype, "rows_per_step": rows, "variant": variant,
+                                  "ms": round(1e3 * seconds, 3), "us_per_block": round(1e6 * seconds / args.blocks, 3),
+                                  "GB_per_s": round(read / seconds / 1e9, 1),
+                                  "of_bandwidth": f"{read / seconds / 1e9 / args.bandwidth_gbs:.0%}"}), flush=True)
+        del k, v
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
