@@ -54,9 +54,10 @@ class Args:
     """The pool's dtypes: `bf16` or `int8`."""
     mixed_steps: tuple[bool, ...] = (False,)
     """`EngineConfig.mixed_steps` settings to run (each with every pool dtype)."""
-    shared_decode_rows: tuple[int, ...] = (0,)
+    shared_decode_rows: tuple[int | None, ...] = (None,)
     """`EngineConfig.shared_decode_rows` settings (0: off; 8: a Qwen3-0.6B prompt's 8
-    samples read its pages once per decode step)."""
+    samples read its pages once per decode step; `None`: the engine's default, 8 on a
+    TPU for Qwen3-0.6B). Each run reports the setting in effect."""
     overlap_steps: tuple[bool, ...] = (True,)
     """`EngineConfig.overlap_steps` settings (each with every other setting)."""
     bandwidth_gbs: float = 819.0
@@ -92,7 +93,7 @@ def workload(cfg, args: Args) -> list[tuple[list[int], SamplingParams, int]]:
     return out
 
 
-def run(model, cfg, kv: str, mixed: bool, share: int, overlap: bool, args: Args) -> dict:
+def run(model, cfg, kv: str, mixed: bool, share: int | None, overlap: bool, args: Args) -> dict:
     element = kv_element_bytes(cfg.head_dim, kv)
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
     pool_tokens = int(args.pool_gib * 2**30 / token_bytes) // args.page_size * args.page_size
@@ -104,7 +105,7 @@ def run(model, cfg, kv: str, mixed: bool, share: int, overlap: bool, args: Args)
     engine.warmup()
     compile_s = time.perf_counter() - t
     # (a progress line: a run its device call cuts short still shows how far it got)
-    setting = {"kv": kv, "mixed_steps": mixed, "shared_decode_rows": share, "overlap_steps": overlap}
+    setting = {"kv": kv, "mixed_steps": mixed, "shared_decode_rows": engine.share_rows, "overlap_steps": overlap}
     print(json.dumps({**setting, "warmup_s": round(compile_s, 1)}), flush=True)
     sequences = workload(cfg, args)
     for prompt, params, sample in sequences:
