@@ -125,7 +125,7 @@ def main(args: Args) -> None:
                     continue
                 fn = jax.jit(functools.partial(stream, variant=variant, rows_per_step=rows, interpret=args.interpret))
                 compiled = fn.lower(q, k, v).compile()
-                calls[variant] = lambda c=compiled: jax.block_until_ready(c(q, k, v))
+                calls[variant] = lambda c=compiled, k=k, v=v: jax.block_until_ready(c(q, k, v))
             for variant, seconds in median_times(calls, args.repeats).items():
                 print(json.dumps({"kv": dtype, "rows_per_step": rows, "variant": variant,
                                   "ms": round(1e3 * seconds, 3), "us_per_block": round(1e6 * seconds / args.blocks, 3),

@@ -87,8 +87,8 @@ class ComputeConfig:
 
     decode_int8_tokens_per_step: int = 512
     """`decode_tokens_per_step` for an int8 cache. Its blocks are bound by their
-    compute (int8 to bf16 on the vector units), not their DMAs, so above one block per
-    step the kernel folds a step's blocks as one. On a TPU v5e (`generate`, Qwen3-0.6B
+    compute, not their DMAs, so above one block per step the kernel folds a step's
+    blocks as one. On a TPU v5e (`generate`, Qwen3-0.6B
     shape, `benchmarks/results/accelerator_tpu_v5e.md`) 512 against 128 took a 4k x 32
     step from 29.8 to 25.8 ms and an 8k x 16 one from 29.4 to 24.5; at 1k x 64 it cost
     4% (18.4 against 17.7)."""

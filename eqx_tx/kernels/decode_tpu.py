@@ -31,10 +31,16 @@ An int8 cache comes with float32 scales per (token, kv head), stored tokens-mino
 (`[..., kv_heads, tokens]`: a `[kv_heads, block]` tile per block, tokens along the
 lanes). The score of column `(token t, kv head h)` is multiplied by
 `k_scale[h, t]` and each probability by `v_scale[h, t]` before `p @ v`; the scales
-reach those columns as one row each, by an exact one-pass 0/1 matmul and a masked
-sum over sublanes (`_scale_rows`), so no vector moves between lanes and sublanes.
-On a TPU v5e an int8 block costs about what a bf16 one does (its conversion to bf16
-is the bound, not its DMA): int8 reads half the bytes but does not yet decode faster.
+reach those columns as one row each, by a one-pass 0/1 matmul and a masked sum over
+sublanes (`_scale_rows`), so no vector moves between lanes and sublanes.
+
+The masks that do not change (each query head's kv head; the scales' heads) are made
+once per call in VMEM; positions are masked only in the folds that hold a dead slot
+or a sequence's last key. On a TPU v5e a minimal kernel that converts int8 blocks to
+bf16 and runs both matmuls on them, 512 tokens a step, read them at 74% of the data
+sheet's bandwidth, as fast as their DMAs alone (`benchmarks/int8_ceiling.py`); this
+kernel read them at 32% before its masks were made once (stop 53): the rest of its
+step (scales, masks, a DMA per block), not the conversion, is the int8 kernel's cost.
 """
 
 import functools
@@ -54,7 +60,6 @@ _MASKED = -1e30
 
 
 _LANES = 128
-_PARTS = 3  # bf16 parts of a float32 scale
 DENSE_BLOCK = 128  # tokens per block of a dense cache (`decode_attention_dense`)
 
 
@@ -75,93 +80,111 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
     return None
 
 
-def _scale_rows(k_scales, v_scales, expand):
+def _scale_rows(k_scales, v_scales, expand, kept, *, parts: int):
     """`[kv_heads, block]` key and value scales as rows `[1, block * kv_heads]` over
     the score columns: column `t * kv_heads + h` gets `scales[h, t]`.
 
-    One 0/1 matmul (`expand [sub, sub * kv_heads]`) repeats each token's scales over
-    its `kv_heads` columns, every head's in its own row; a masked sum over those rows
-    keeps each column's own head. The matmul runs on bf16 operands in one MXU pass
-    and stays exact: each float32 scale goes in as the sum of three bf16 parts
-    (24 bits of mantissa).
+    One 0/1 matmul per `sub` tokens (`expand [sub, sub * kv_heads]`) repeats each
+    token's scales over its `kv_heads` columns, every head's in its own row; the 0/1
+    `kept [2 * parts * kv_heads, sub * kv_heads]` keeps each column's own head, and a
+    sum over rows gives the row. The matmul runs on bf16 operands in one MXU pass, each
+    float32 scale in as the sum of `parts` bf16 parts: 3 are exact (24 bits of
+    mantissa); 2 are within 2^-18 of it, far below the bf16 rounding of the scores'
+    probabilities that `p @ v` takes.
     """
     K, block = k_scales.shape
-    parts = []
+    pieces = []
     for x in (k_scales, v_scales):
-        for _ in range(_PARTS):
-            part = x.astype(jnp.bfloat16).astype(jnp.float32)
-            parts.append(part)
-            x = x - part
-    stacked = jnp.concatenate(parts, axis=0).astype(jnp.bfloat16)  # [2 * _PARTS * K, block]
-    sub = expand.shape[0]
-    cols = [jnp.dot(stacked[:, i:i + sub], expand, preferred_element_type=jnp.float32) for i in range(0, block, sub)]
-    cols = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)  # [2 * _PARTS * K, block * K]
-    row = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, cols.shape, 1)
-    kept = jnp.where(row % K == col % K, cols, 0.0)
-    half = _PARTS * K
-    return jnp.sum(kept[:half], axis=0, keepdims=True), jnp.sum(kept[half:], axis=0, keepdims=True)
+        for _ in range(parts):
+            piece = x.astype(jnp.bfloat16).astype(jnp.float32)
+            pieces.append(piece)
+            x = x - piece
+    stacked = jnp.concatenate(pieces, axis=0).astype(jnp.bfloat16)  # [2 * parts * K, block]
+    sub, half = expand.shape[0], parts * K
+    k_rows, v_rows = [], []
+    for i in range(0, block, sub):
+        cols = jnp.dot(stacked[:, i:i + sub], expand, preferred_element_type=jnp.float32) * kept
+        k_rows.append(jnp.sum(cols[:half], axis=0, keepdims=True))
+        v_rows.append(jnp.sum(cols[half:], axis=0, keepdims=True))
+    join = lambda rows: rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # noqa: E731
+    return join(k_rows), join(v_rows)
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
-            kv_heads: int, group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool,
+            kv_heads: int, group: int, scale: float, quantized: bool, parts: int, concatenate: bool, with_lse: bool,
             aliased: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
     # scale and value scale tiles; (`aliased`) the outputs' initial values, untouched
-    # here; then the output (and its log-sum-exp), the scratch and (int8) the
-    # expansion. Each block is folded into the online softmax on its own, or
-    # (`concatenate`) the step's blocks as one.
+    # here; then the output (and its log-sum-exp), the scratch: the online softmax's
+    # state, the grouped-query mask and (int8) the scales' expansion and mask. Each
+    # block is folded into the online softmax on its own, or (`concatenate`) the step's
+    # blocks as one.
     outputs = 2 if with_lse else 1
     k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
     n = (4 if quantized else 2) * step_blocks
     ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
     n += outputs if aliased else 0
     o_ref, lse_ref = rest[n], (rest[n + 1] if with_lse else None)
-    (m_ref, l_ref, acc_ref), expand_refs = rest[n + outputs:n + outputs + 3], rest[n + outputs + 3:]
+    m_ref, l_ref, acc_ref, bias_ref = rest[n + outputs:n + outputs + 4]
+    scale_refs = rest[n + outputs + 4:]  # int8: the scales' expansion and mask
     t = pl.program_id(0)
     b, j = row_ref[t], step_ref[t]  # grid step t is step j of sequence b
     length = lengths_ref[b]  # 0: no keys (only when every sequence has none: a grid of one step)
     blocks = ceil_div(length, block)
     first = _first_slot(blocks, j, step_blocks=step_blocks)
+    # Matmul operands in the cache's dtype (int8: bf16, exact), or q's where that is
+    # wider; float32 accumulation.
+    dtype = jnp.promote_types(q_ref.dtype, jnp.bfloat16 if quantized else k_refs[0].dtype)
+
+    @pl.when(t == 0)
+    def _():  # the grid's constants, once
+        row = jax.lax.broadcasted_iota(jnp.int32, bias_ref.shape, 0)
+        col = jax.lax.broadcasted_iota(jnp.int32, bias_ref.shape, 1)
+        bias_ref[...] = jnp.where(col % kv_heads == row // group, 0.0, _MASKED)  # query head -> its kv head's columns
+        if quantized:  # token t of a sub-block -> its columns t * kv_heads + h; and row h's columns
+            expand_ref, kept_ref = scale_refs
+            row = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
+            expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
+            row = jax.lax.broadcasted_iota(jnp.int32, kept_ref.shape, 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, kept_ref.shape, 1)
+            kept_ref[...] = (row % kv_heads == col % kv_heads).astype(jnp.float32)
 
     @pl.when(j == 0)
     def _():
         m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        for expand_ref in expand_refs:  # token t of a sub-block -> its columns t * kv_heads + h
-            row = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 0)
-            col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
-            expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
 
-    # Matmul operands in the cache's dtype (int8: bf16, exact), or q's where that is
-    # wider; float32 accumulation.
-    dtype = jnp.promote_types(q_ref.dtype, jnp.bfloat16 if quantized else k_refs[0].dtype)
     q = q_ref[...].astype(dtype)  # [heads, head_dim]
 
     def cat(refs, blocks, axis=0):
         return jnp.concatenate([refs[i][...] for i in blocks], axis=axis) if len(blocks) > 1 else refs[blocks[0]][...]
 
-    def fold(blocks):
-        """Fold the step's `blocks` (consecutive, tokens from `start`) into the online softmax."""
+    def fold(blocks, partial: bool):
+        """Fold the step's `blocks` (consecutive, tokens from `start`) into the online
+        softmax; `partial`: some of their positions lie outside `[0, length)` (a dead
+        slot before the first block, or past the last key)."""
         start = (first + blocks[0]) * block
         k = cat(k_refs, blocks).astype(dtype)  # [tokens * kv_heads, head_dim]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         v_row = None
         if quantized:
-            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand_refs[0][...])
+            expand, kept = (ref[...] for ref in scale_refs)
+            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand, kept, parts=parts)
             s = s * (k_row * scale)
         else:
             s = s * scale
-        row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        position = start + col // kv_heads  # < 0: a concatenated step's dead slot
-        ok = (col % kv_heads == row // group) & (position >= 0) & (position < length)
-        s = jnp.where(ok, s, _MASKED)
+        s = s + bias_ref[...]  # other kv heads' columns masked
+        if partial:  # column c holds position start + c // kv_heads
+            col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where((col >= -start * kv_heads) & (col < (length - start) * kv_heads), s, _MASKED)
         m_prev = m_ref[...]  # [heads, lanes], every lane the same
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+        # Every row has a live column here (a fold holds a position in [0, length) and
+        # each query head's kv head), so m_new is finite and a masked column's exp is 0.
+        p = jnp.exp(s - m_new[:, :1])
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         if v_row is not None:
             p = p * v_row
@@ -170,11 +193,22 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         m_ref[...] = m_new
 
+    # A step's blocks are whole and live except in a sequence's first step (its dead
+    # slots) and its last block (past the last key); only those folds mask positions.
     if concatenate:  # one fold, its dead slots (re-named live blocks) masked
-        pl.when(first * block < length)(functools.partial(fold, tuple(range(step_blocks))))
+        whole = (first >= 0) & ((first + step_blocks) * block <= length)
+        live = first * block < length
+        pl.when(live & whole)(functools.partial(fold, tuple(range(step_blocks)), False))
+        pl.when(live & ~whole)(functools.partial(fold, tuple(range(step_blocks)), True))
     else:  # block by block: a slot before the sequence's first block or past its last costs no compute
         for i in range(step_blocks):
-            pl.when((first + i >= 0) & ((first + i) * block < length))(functools.partial(fold, (i,)))
+            live = (first + i >= 0) & ((first + i) * block < length)
+            if i < step_blocks - 1:  # a slot before the last holds no sequence's last block
+                pl.when(live)(functools.partial(fold, (i,), False))
+            else:
+                whole = (first + i + 1) * block <= length
+                pl.when(live & whole)(functools.partial(fold, (i,), False))
+                pl.when(live & ~whole)(functools.partial(fold, (i,), True))
 
     @pl.when(j == jnp.maximum(ceil_div(blocks, step_blocks), 1) - 1)
     def _():
@@ -291,10 +325,16 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
             row_ref[t], 0, 0))
 
     q_spec = row_spec(H)
-    scratch = [pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, H), jnp.float32)]
+    concatenate = scales is not None and n > 1
+    fold_cols = (n if concatenate else 1) * block * K  # the score columns of one fold
+    scratch = [pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, 128), jnp.float32), pltpu.VMEM((N, H), jnp.float32),
+               pltpu.VMEM((N, fold_cols), jnp.float32)]
     in_specs = [q_spec] + [kv_spec(i) for i in range(n)] * 2
     flat = k.reshape(k.shape[0], num_blocks, block * K, H), v.reshape(v.shape[0], num_blocks, block * K, H)
     operands = [q] + [flat[0]] * n + [flat[1]] * n
+    # int8: a scale's bf16 parts in `_scale_rows`, exact for float32 matmuls (float32
+    # queries), to 2^-18 for bf16 ones.
+    parts = 0 if scales is None else 3 if jnp.promote_types(q.dtype, jnp.bfloat16) == jnp.float32 else 2
     if scales is not None:
         per_row = scales[0].shape[-1] // block
 
@@ -308,7 +348,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         in_specs += [scale_spec(i) for i in range(n)] * 2
         operands += [scales[0]] * n + [scales[1]] * n
         sub = min(block, _LANES)
-        scratch.append(pltpu.VMEM((sub, sub * K), jnp.bfloat16))
+        scratch += [pltpu.VMEM((sub, sub * K), jnp.bfloat16), pltpu.VMEM((2 * parts * K, sub * K), jnp.float32)]
     # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
     # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
     steps = ceil_div(ceil_div(lengths, block), n)  # [B]; 0 without keys
@@ -333,7 +373,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     # its fixed costs (at stop 46, a concatenating form read 4k x 32 int8 at 23.9 ms a
     # step where folding block by block took 29-31).
     kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
-                               quantized=scales is not None, concatenate=scales is not None and n > 1,
+                               quantized=scales is not None, parts=parts, concatenate=concatenate,
                                with_lse=with_lse, aliased=keyless)
     outs = pl.pallas_call(
         kernel,

@@ -100,6 +100,11 @@ def _quantized(x):
     return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32))
 
 
+def _as(x, dtype):
+    """`x` as the kernel takes it in `dtype` (float32, for the reference)."""
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
 def _stored(k, v, int8: bool):
     """`k, v` as a cache stores them (int8: values), their scales (`None` unless int8),
     and the keys/values attention sees (int8: dequantized)."""
@@ -109,13 +114,15 @@ def _stored(k, v, int8: bool):
     return kq, vq, (ks, vs), kd, vd
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("tokens_per_step", [256, 512])
 @pytest.mark.parametrize("paged", [False, True])
-def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, tokens_per_step):
+def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, tokens_per_step, q_dtype):
     """int8 keys/values with scales per (token, kv head): the kernel equals attention
     over the dequantized cache, read in place (dense, blocks of 256 and of 128 split
     into two lane tiles) and through a shuffled page table (pages of 128, 2 query
-    heads per kv head), one or more blocks per grid step."""
+    heads per kv head), one or more blocks per grid step. float32 queries take float32
+    matmuls and exact scales; bf16 ones bf16 matmuls, each scale to 2^-18."""
     rng = np.random.default_rng(2)
     K, H, N = 8, 128, 16
     if paged:
@@ -126,21 +133,22 @@ def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, toke
         table = np.array([order[:3], np.r_[order[3:5], pages]])
         lengths = np.array([300, 129])
         q = rng.standard_normal((2, N, H)).astype(np.float32)
-        out = decode_attention_blocks(jnp.asarray(q), kq, vq, jnp.asarray(1), jnp.asarray(table),
+        out = decode_attention_blocks(jnp.asarray(q, q_dtype), kq, vq, jnp.asarray(1), jnp.asarray(table),
                                       jnp.asarray(lengths), scales=(ks, vs), tokens_per_step=tokens_per_step,
                                       interpret=True)
         gathered = lambda x: np.stack([x[1, row].reshape(-1, K, H) for row in np.minimum(table, pages - 1)])  # noqa: E731
-        want = _reference(q, gathered(kd), gathered(vd), lengths)
+        want = _reference(_as(q, q_dtype), gathered(kd), gathered(vd), lengths)
     else:
         L, B, S = 2, 3, 512
         k, v = (rng.standard_normal((L, B, S, K, H)).astype(np.float32) * 3 for _ in range(2))
         (kq, ks, kd), (vq, vs, vd) = _quantized(k), _quantized(v)
         lengths = np.array([1, 200, S])
         q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
-        out = decode_attention_dense(jnp.asarray(q), kq, vq, jnp.asarray(0), jnp.asarray(lengths), scales=(ks, vs),
-                                     block=256, tokens_per_step=tokens_per_step, interpret=True)[:, 0]
-        want = _reference(q[:, 0], kd[0], vd[0], lengths)
-    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+        out = decode_attention_dense(jnp.asarray(q, q_dtype), kq, vq, jnp.asarray(0), jnp.asarray(lengths),
+                                     scales=(ks, vs), block=256, tokens_per_step=tokens_per_step, interpret=True)[:, 0]
+        want = _reference(_as(q[:, 0], q_dtype), kd[0], vd[0], lengths)
+    tol = dict(atol=1e-5) if q_dtype == jnp.float32 else dict(atol=2e-2, rtol=1e-2)  # bf16: output and p @ v rounded
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, **tol)
 
 
 def test_dense_block_divides_the_cache():
