@@ -9,9 +9,16 @@ reported beside the live keys and values it reads (int8: and their scales) at th
 sheet's bandwidth. No weights, no cache writes: what the kernel costs a decode step.
 
     python benchmarks/decode_kernel_time.py --settings 64:1100:bf16 64:1100:int8 --tokens-per-step 128 512
+
+`--modules` times other copies of the kernel beside it, interleaved in one process (an
+earlier commit's, to compare on the chip):
+
+    git show e7862aa:eqx_tx/kernels/decode_tpu.py > eqx_tx/kernels/decode_tpu_e7862aa.py
+    python benchmarks/decode_kernel_time.py --modules eqx_tx.kernels.decode_tpu eqx_tx.kernels.decode_tpu_e7862aa
 """
 
 import dataclasses
+import importlib
 import json
 
 import jax
@@ -19,8 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 from timing import median_times
-
-from eqx_tx.kernels.decode_tpu import decode_attention_blocks
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, PAGE = 28, 8, 128, 16, 128
 
@@ -32,6 +37,9 @@ class Args:
     tokens_per_step: tuple[int, ...] = (128, 512)
     """The kernel's tokens per grid step, each setting measured at each."""
     repeats: int = 10
+    modules: tuple[str, ...] = ("eqx_tx.kernels.decode_tpu",)
+    """Modules whose `decode_attention_blocks` is timed, interleaved (copies of the
+    kernel's module, e.g. an earlier commit's, inside `eqx_tx.kernels`)."""
     bandwidth_gbs: float = 819.0
     """The roofline's bandwidth (TPU v5e data sheet)."""
 
@@ -56,21 +64,25 @@ def pool(batch: int, live: int, dtype: str, rng):
     return q, k, v, table, lengths, scales
 
 
-def step_ms(q, k, v, table, lengths, scales, *, tokens_per_step: int, repeats: int) -> float:
-    """Median ms of one program running the kernel over every layer."""
+def step_ms(q, k, v, table, lengths, scales, *, modules: tuple[str, ...], tokens_per_step: int,
+            repeats: int) -> dict[str, float]:
+    """Median ms of one program running each module's kernel over every layer."""
 
-    @jax.jit
-    def layers(q, k, v, table, lengths, scales):
-        def body(layer, acc):
-            out = decode_attention_blocks(q, k, v, layer, table, lengths, scales=scales,
-                                          tokens_per_step=tokens_per_step, interpret=False)
-            return acc + out.astype(jnp.float32)
+    def program(kernel):
+        @jax.jit
+        def layers(q, k, v, table, lengths, scales):
+            def body(layer, acc):
+                out = kernel(q, k, v, layer, table, lengths, scales=scales, tokens_per_step=tokens_per_step,
+                             interpret=False)
+                return acc + out.astype(jnp.float32)
 
-        return jax.lax.fori_loop(0, LAYERS, body, jnp.zeros(q.shape, jnp.float32))
+            return jax.lax.fori_loop(0, LAYERS, body, jnp.zeros(q.shape, jnp.float32))
 
-    compiled = layers.lower(q, k, v, table, lengths, scales).compile()
-    call = lambda: jax.block_until_ready(compiled(q, k, v, table, lengths, scales))  # noqa: E731
-    return 1e3 * median_times({"kernel": call}, repeats)["kernel"]
+        compiled = layers.lower(q, k, v, table, lengths, scales).compile()
+        return lambda: jax.block_until_ready(compiled(q, k, v, table, lengths, scales))
+
+    calls = {name: program(importlib.import_module(name).decode_attention_blocks) for name in modules}
+    return {name: 1e3 * seconds for name, seconds in median_times(calls, repeats).items()}
 
 
 def main(args: Args) -> None:
@@ -87,10 +99,12 @@ def main(args: Args) -> None:
         element = 1 if dtype == "int8" else 2
         read = 2 * LAYERS * batch * live * KV_HEADS * (HEAD_DIM * element + (4 if dtype == "int8" else 0))
         for tokens_per_step in args.tokens_per_step:
-            ms = step_ms(*data, tokens_per_step=tokens_per_step, repeats=args.repeats)
-            print(json.dumps({"batch": batch, "live": live, "kv": dtype, "tokens_per_step": tokens_per_step,
-                              "ms": round(ms, 3), "GB_per_s": round(read / ms / 1e6, 1),
-                              "of_bandwidth": f"{read / ms / 1e6 / args.bandwidth_gbs:.0%}"}), flush=True)
+            times = step_ms(*data, modules=args.modules, tokens_per_step=tokens_per_step, repeats=args.repeats)
+            for module, ms in times.items():
+                print(json.dumps({"batch": batch, "live": live, "kv": dtype, "tokens_per_step": tokens_per_step,
+                                  **({"module": module} if len(times) > 1 else {}),
+                                  "ms": round(ms, 3), "GB_per_s": round(read / ms / 1e6, 1),
+                                  "of_bandwidth": f"{read / ms / 1e6 / args.bandwidth_gbs:.0%}"}), flush=True)
         del data
 
 
