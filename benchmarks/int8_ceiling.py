@@ -16,11 +16,15 @@ sheet's bandwidth:
 - `int8_mxu` (int8 only): both matmuls on int8 operands (q and p rounded to int8),
   int32 accumulation: no conversion of the blocks.
 
+With `--split True` each step's blocks arrive as the decode kernel's do from a page
+pool: one DMA per 128-token block, and for int8 two scale tiles per block beside it.
+
     python benchmarks/int8_ceiling.py
 """
 
 import dataclasses
 import functools
+import itertools
 import json
 
 import jax
@@ -42,6 +46,11 @@ class Args:
     """128-token blocks streamed per call (keys and values each)."""
     rows_per_step: tuple[int, ...] = (1024, 4096)
     """Rows per grid step (1024: one 128-token block of 8 kv heads)."""
+    split: tuple[bool, ...] = (False,)
+    """Each step's rows as one DMA per operand (`False`), or (`True`) one per 128-token
+    block, as the decode kernel reads a page pool, with an int8 block's two scale
+    tiles (`[8 kv heads, 128 tokens]` float32 each) DMA'd beside it and touched, not
+    applied."""
     dtypes: tuple[str, ...] = ("bf16", "int8")
     variants: tuple[str, ...] = VARIANTS
     repeats: int = 20
@@ -51,25 +60,36 @@ class Args:
     """Run in Pallas's interpreter (a check of the kernels off a TPU; no timing worth reading)."""
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, acc_ref, m_ref, l_ref, *, variant: str):
+def _kernel(q_ref, *refs, variant: str, split: int, scales: bool):
+    kv = refs[:2 * split]
+    n = 2 * split + (2 * split if scales else 0)
+    scale_refs = refs[2 * split:n]
+    o_ref, acc_ref, m_ref, l_ref = refs[n:]
+
     @pl.when(pl.program_id(0) == 0)
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         m_ref[...] = jnp.full(m_ref.shape, -1e30, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
+    def cat(refs):  # the step's blocks as one array (each block its own DMA when split)
+        return jnp.concatenate([r[...] for r in refs], axis=0) if len(refs) > 1 else refs[0][...]
+
+    for ref in scale_refs:  # DMA'd and touched, not applied: what their DMAs cost
+        acc_ref[:8] += ref[...]
     if variant == "dma":
-        acc_ref[:8] += k_ref[:8].astype(jnp.float32) + v_ref[:8].astype(jnp.float32)
+        for ref in kv:
+            acc_ref[:8] += ref[:8].astype(jnp.float32)
     elif variant == "int8_mxu":
         q = q_ref[...].astype(jnp.int8)
-        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        s = jax.lax.dot_general(q, cat(kv[:split]), (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
         p = jnp.clip(s >> 12, -127, 127).astype(jnp.int8)
-        acc_ref[...] += jax.lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
+        acc_ref[...] += jax.lax.dot_general(p, cat(kv[split:]), (((1,), (0,)), ((), ())),
                                             preferred_element_type=jnp.int32).astype(jnp.float32)
     else:
         dtype = jnp.float32 if variant == "f32" else jnp.bfloat16
         q = q_ref[...].astype(dtype)
-        k, v = k_ref[...].astype(dtype), v_ref[...].astype(dtype)
+        k, v = cat(kv[:split]).astype(dtype), cat(kv[split:]).astype(dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.088
         if variant == "fold":
             row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -88,21 +108,36 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, acc_ref, m_ref, l_ref, *, variant: str):
     o_ref[...] = acc_ref[...] + l_ref[:, :1]
 
 
-def stream(q, k, v, *, variant: str, rows_per_step: int, interpret: bool):
-    """One pass of `variant` over every block of `k, v` (`[blocks * ROWS, HEAD_DIM]`)."""
-    spec = pl.BlockSpec((rows_per_step, HEAD_DIM), lambda i: (i, 0))
+def stream(q, k, v, scales, *, variant: str, rows_per_step: int, split: bool, interpret: bool):
+    """One pass of `variant` over every block of `k, v` (`[blocks * ROWS, HEAD_DIM]`):
+    `rows_per_step` rows a grid step, as one DMA per operand, or (`split`) one per
+    block, with (int8: `scales`, `[blocks, KV_HEADS, BLOCK]` twice) each block's
+    scale tiles."""
+    parts = rows_per_step // ROWS if split else 1
+    rows = rows_per_step // parts
+
+    def spec(b):
+        return pl.BlockSpec((rows, HEAD_DIM), lambda i: (i * parts + b, 0))
+
+    def scale_spec(b):
+        return pl.BlockSpec((None, KV_HEADS, BLOCK), lambda i: (i * parts + b, 0, 0))
+
     fixed = pl.BlockSpec((HEADS, HEAD_DIM), lambda i: (0, 0))
+    in_specs, operands = [fixed] + [spec(b) for b in range(parts)] * 2, [q] + [k] * parts + [v] * parts
+    if scales is not None:
+        in_specs += [scale_spec(b) for b in range(parts)] * 2
+        operands += [scales[0]] * parts + [scales[1]] * parts
     return pl.pallas_call(
-        functools.partial(_kernel, variant=variant),
+        functools.partial(_kernel, variant=variant, split=parts, scales=scales is not None),
         grid=(k.shape[0] // rows_per_step,),
-        in_specs=[fixed, spec, spec],
+        in_specs=in_specs,
         out_specs=fixed,
         out_shape=jax.ShapeDtypeStruct((HEADS, HEAD_DIM), jnp.float32),
         scratch_shapes=[pltpu.VMEM((HEADS, HEAD_DIM), jnp.float32), pltpu.VMEM((HEADS, 128), jnp.float32),
                         pltpu.VMEM((HEADS, 128), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
-    )(q, k, v)
+    )(*operands)
 
 
 def main(args: Args) -> None:
@@ -118,16 +153,20 @@ def main(args: Args) -> None:
         else:
             k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(0)))
         read = 2 * k.size * k.dtype.itemsize
-        for rows in args.rows_per_step:
+        for rows, split in itertools.product(args.rows_per_step, args.split):
+            scales = None
+            if split and dtype == "int8":
+                scales = tuple(jnp.ones((args.blocks, KV_HEADS, BLOCK), jnp.float32) for _ in range(2))
             calls = {}
             for variant in args.variants:
                 if variant == "int8_mxu" and dtype != "int8":
                     continue
-                fn = jax.jit(functools.partial(stream, variant=variant, rows_per_step=rows, interpret=args.interpret))
-                compiled = fn.lower(q, k, v).compile()
-                calls[variant] = lambda c=compiled, k=k, v=v: jax.block_until_ready(c(q, k, v))
+                fn = jax.jit(functools.partial(stream, variant=variant, rows_per_step=rows, split=split,
+                                               interpret=args.interpret))
+                compiled = fn.lower(q, k, v, scales).compile()
+                calls[variant] = lambda c=compiled, k=k, v=v, s=scales: jax.block_until_ready(c(q, k, v, s))
             for variant, seconds in median_times(calls, args.repeats).items():
-                print(json.dumps({"kv": dtype, "rows_per_step": rows, "variant": variant,
+                print(json.dumps({"kv": dtype, "rows_per_step": rows, "split": split, "variant": variant,
                                   "ms": round(1e3 * seconds, 3), "us_per_block": round(1e6 * seconds / args.blocks, 3),
                                   "GB_per_s": round(read / seconds / 1e9, 1),
                                   "of_bandwidth": f"{read / seconds / 1e9 / args.bandwidth_gbs:.0%}"}), flush=True)
