@@ -89,8 +89,8 @@ def _scale_rows(k_scales, v_scales, expand, kept, *, parts: int):
     `kept [2 * parts * kv_heads, sub * kv_heads]` keeps each column's own head, and a
     sum over rows gives the row. The matmul runs on bf16 operands in one MXU pass, each
     float32 scale in as the sum of `parts` bf16 parts: 3 are exact (24 bits of
-    mantissa); 2 are within 2^-18 of it, far below the bf16 rounding of the scores'
-    probabilities that `p @ v` takes.
+    mantissa); 2 are within 2^-16 of it (relative), far below the bf16 rounding (up to
+    2^-8) that the probabilities take before `p @ v`.
     """
     K, block = k_scales.shape
     pieces = []
@@ -333,7 +333,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     flat = k.reshape(k.shape[0], num_blocks, block * K, H), v.reshape(v.shape[0], num_blocks, block * K, H)
     operands = [q] + [flat[0]] * n + [flat[1]] * n
     # int8: a scale's bf16 parts in `_scale_rows`, exact for float32 matmuls (float32
-    # queries), to 2^-18 for bf16 ones.
+    # queries), to 2^-16 for bf16 ones.
     parts = 0 if scales is None else 3 if jnp.promote_types(q.dtype, jnp.bfloat16) == jnp.float32 else 2
     if scales is not None:
         per_row = scales[0].shape[-1] // block

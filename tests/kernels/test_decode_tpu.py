@@ -122,7 +122,7 @@ def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, toke
     over the dequantized cache, read in place (dense, blocks of 256 and of 128 split
     into two lane tiles) and through a shuffled page table (pages of 128, 2 query
     heads per kv head), one or more blocks per grid step. float32 queries take float32
-    matmuls and exact scales; bf16 ones bf16 matmuls, each scale to 2^-18."""
+    matmuls and exact scales; bf16 ones bf16 matmuls, each scale to 2^-16."""
     rng = np.random.default_rng(2)
     K, H, N = 8, 128, 16
     if paged:
@@ -149,6 +149,28 @@ def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, toke
         want = _reference(_as(q[:, 0], q_dtype), kd[0], vd[0], lengths)
     tol = dict(atol=1e-5) if q_dtype == jnp.float32 else dict(atol=2e-2, rtol=1e-2)  # bf16: output and p @ v rounded
     np.testing.assert_allclose(np.asarray(out, np.float32), want, **tol)
+
+
+@pytest.mark.parametrize("parts,bound", [(3, 0.0), (2, 2.0**-16)])
+def test_scale_rows_place_each_scale_on_its_columns_to_its_parts_precision(parts, bound):
+    """`_scale_rows` puts scale `[h, t]` on column `t * kv_heads + h` through a bf16
+    matmul: exactly with 3 bf16 parts, within 2^-16 (relative) with 2, where one part
+    (bf16 rounding, up to 2^-8) would not be."""
+    from eqx_tx.kernels.decode_tpu import _scale_rows
+
+    rng = np.random.default_rng(5)
+    K, block, sub = 8, 256, 128
+    ks, vs = (rng.uniform(1e-4, 3e-2, (K, block)).astype(np.float32) for _ in range(2))
+    expand = (np.arange(sub * K)[None, :] // K == np.arange(sub)[:, None]).astype(jnp.bfloat16)
+    kept = (np.arange(2 * parts * K)[:, None] % K == np.arange(sub * K)[None, :] % K).astype(np.float32)
+    k_row, v_row = _scale_rows(jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(expand), jnp.asarray(kept), parts=parts)
+    for row, want in ((k_row, ks), (v_row, vs)):
+        want = want.T.reshape(1, block * K)  # column t * K + h
+        error = np.max(np.abs(np.asarray(row) - want) / want)
+        assert error <= bound, (parts, error)
+    if parts == 2:
+        one = jnp.asarray(ks).astype(jnp.bfloat16).astype(jnp.float32)
+        assert np.max(np.abs(np.asarray(one) - ks) / ks) > bound  # the bound is not vacuous
 
 
 def test_dense_block_divides_the_cache():
