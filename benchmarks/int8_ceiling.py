@@ -1,7 +1,7 @@
 """On a TPU: what bounds the decode kernel over an int8 cache: its bytes, their
 conversion to bf16, or the rest of its fold.
 
-Minimal Pallas kernels stream `--blocks` key and value blocks (each `[128 tokens x 8
+Minimal Pallas kernels stream `--gib` of key and value blocks (each `[128 tokens x 8
 kv heads, 128]`, the decode kernel's tile, `--rows-per-step` rows per grid step) from
 HBM through VMEM, and do successively more of the decode kernel's work on each; 16
 query heads. The median of `--repeats` calls of each, beside its bytes at the data
@@ -42,8 +42,11 @@ VARIANTS = ("dma", "matmuls", "fold", "f32", "int8_mxu")
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    blocks: int = 4096
-    """128-token blocks streamed per call (keys and values each)."""
+    gib: float = 2.0
+    """Keys and values streamed per call, the same bytes for each dtype (a call has a
+    fixed cost, ~0.6 ms on a v5e, which fewer bytes would carry a larger share of)."""
+    blocks: int | None = None
+    """128-token blocks streamed per call (keys and values each), instead of `--gib`."""
     rows_per_step: tuple[int, ...] = (1024, 4096)
     """Rows per grid step (1024: one 128-token block of 8 kv heads)."""
     split: tuple[bool, ...] = (False,)
@@ -145,9 +148,11 @@ def main(args: Args) -> None:
         raise SystemExit(f"int8_ceiling compiles its kernels with Mosaic: it needs a TPU "
                          f"(backend is {jax.default_backend()}; --interpret checks them elsewhere)")
     rng = np.random.default_rng(0)
-    shape = (args.blocks * ROWS, HEAD_DIM)
     q = jnp.asarray(rng.standard_normal((HEADS, HEAD_DIM)), jnp.bfloat16)
     for dtype in args.dtypes:
+        size = 1 if dtype == "int8" else 2
+        blocks = args.blocks or int(args.gib * 2**30 / (2 * ROWS * HEAD_DIM * size))
+        shape = (blocks * ROWS, HEAD_DIM)
         if dtype == "int8":
             k, v = (jax.device_put(rng.integers(-127, 128, shape, dtype=np.int8)) for _ in range(2))
         else:
@@ -156,7 +161,7 @@ def main(args: Args) -> None:
         for rows, split in itertools.product(args.rows_per_step, args.split):
             scales = None
             if split and dtype == "int8":
-                scales = tuple(jnp.ones((args.blocks, KV_HEADS, BLOCK), jnp.float32) for _ in range(2))
+                scales = tuple(jnp.ones((blocks, KV_HEADS, BLOCK), jnp.float32) for _ in range(2))
             calls = {}
             for variant in args.variants:
                 if variant == "int8_mxu" and dtype != "int8":
@@ -167,7 +172,7 @@ def main(args: Args) -> None:
                 calls[variant] = lambda c=compiled, k=k, v=v, s=scales: jax.block_until_ready(c(q, k, v, s))
             for variant, seconds in median_times(calls, args.repeats).items():
                 print(json.dumps({"kv": dtype, "rows_per_step": rows, "split": split, "variant": variant,
-                                  "ms": round(1e3 * seconds, 3), "us_per_block": round(1e6 * seconds / args.blocks, 3),
+                                  "ms": round(1e3 * seconds, 3), "us_per_block": round(1e6 * seconds / blocks, 3),
                                   "GB_per_s": round(read / seconds / 1e9, 1),
                                   "of_bandwidth": f"{read / seconds / 1e9 / args.bandwidth_gbs:.0%}"}), flush=True)
         del k, v
