@@ -80,7 +80,7 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
     return None
 
 
-def _scale_rows(k_scales, v_scales, expand, kept, *, parts: int):
+def _scale_rows(k_scales, v_scales, expand, kept):
     """`[kv_heads, block]` key and value scales as rows `[1, block * kv_heads]` over
     the score columns: column `t * kv_heads + h` gets `scales[h, t]`.
 
@@ -88,12 +88,13 @@ def _scale_rows(k_scales, v_scales, expand, kept, *, parts: int):
     token's scales over its `kv_heads` columns, every head's in its own row; the 0/1
     `kept [2 * parts * kv_heads, sub * kv_heads]` keeps each column's own head, and a
     sum over rows gives the row. The matmul runs on bf16 operands in one MXU pass, each
-    float32 scale in as the sum of `parts` bf16 parts: 3 are exact (24 bits of
-    mantissa); 2 are within 2^-16 of it (relative), far below the bf16 rounding (up to
-    2^-8) that the probabilities take before `p @ v`.
+    float32 scale in as the sum of `parts` bf16 parts (`kept` has a row per part, kv
+    head and k/v): 3 are exact (24 bits of mantissa); 2 are within 2^-16 of it
+    (relative), far below the bf16 rounding (up to 2^-8) that the probabilities take
+    before `p @ v`.
     """
     K, block = k_scales.shape
-    pieces = []
+    parts, pieces = kept.shape[0] // (2 * K), []
     for x in (k_scales, v_scales):
         for _ in range(parts):
             piece = x.astype(jnp.bfloat16).astype(jnp.float32)
@@ -111,7 +112,7 @@ def _scale_rows(k_scales, v_scales, expand, kept, *, parts: int):
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
-            kv_heads: int, group: int, scale: float, quantized: bool, parts: int, concatenate: bool, with_lse: bool,
+            kv_heads: int, group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool,
             aliased: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
     # scale and value scale tiles; (`aliased`) the outputs' initial values, untouched
@@ -136,19 +137,17 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
     # wider; float32 accumulation.
     dtype = jnp.promote_types(q_ref.dtype, jnp.bfloat16 if quantized else k_refs[0].dtype)
 
+    def fill(ref, value):  # ref[row, col] = value(row, col)
+        row, col = (jax.lax.broadcasted_iota(jnp.int32, ref.shape, axis) for axis in (0, 1))
+        ref[...] = value(row, col).astype(ref.dtype)
+
     @pl.when(t == 0)
     def _():  # the grid's constants, once
-        row = jax.lax.broadcasted_iota(jnp.int32, bias_ref.shape, 0)
-        col = jax.lax.broadcasted_iota(jnp.int32, bias_ref.shape, 1)
-        bias_ref[...] = jnp.where(col % kv_heads == row // group, 0.0, _MASKED)  # query head -> its kv head's columns
+        fill(bias_ref, lambda r, c: jnp.where(c % kv_heads == r // group, 0.0, _MASKED))  # query head -> its kv head
         if quantized:  # token t of a sub-block -> its columns t * kv_heads + h; and row h's columns
             expand_ref, kept_ref = scale_refs
-            row = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 0)
-            col = jax.lax.broadcasted_iota(jnp.int32, expand_ref.shape, 1)
-            expand_ref[...] = (col // kv_heads == row).astype(expand_ref.dtype)
-            row = jax.lax.broadcasted_iota(jnp.int32, kept_ref.shape, 0)
-            col = jax.lax.broadcasted_iota(jnp.int32, kept_ref.shape, 1)
-            kept_ref[...] = (row % kv_heads == col % kv_heads).astype(jnp.float32)
+            fill(expand_ref, lambda r, c: c // kv_heads == r)
+            fill(kept_ref, lambda r, c: r % kv_heads == c % kv_heads)
 
     @pl.when(j == 0)
     def _():
@@ -171,7 +170,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         v_row = None
         if quantized:
             expand, kept = (ref[...] for ref in scale_refs)
-            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand, kept, parts=parts)
+            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand, kept)
             s = s * (k_row * scale)
         else:
             s = s * scale
@@ -332,9 +331,6 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     in_specs = [q_spec] + [kv_spec(i) for i in range(n)] * 2
     flat = k.reshape(k.shape[0], num_blocks, block * K, H), v.reshape(v.shape[0], num_blocks, block * K, H)
     operands = [q] + [flat[0]] * n + [flat[1]] * n
-    # int8: a scale's bf16 parts in `_scale_rows`, exact for float32 matmuls (float32
-    # queries), to 2^-16 for bf16 ones.
-    parts = 0 if scales is None else 3 if jnp.promote_types(q.dtype, jnp.bfloat16) == jnp.float32 else 2
     if scales is not None:
         per_row = scales[0].shape[-1] // block
 
@@ -348,6 +344,9 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         in_specs += [scale_spec(i) for i in range(n)] * 2
         operands += [scales[0]] * n + [scales[1]] * n
         sub = min(block, _LANES)
+        # a scale's bf16 parts in `_scale_rows` (`kept`'s rows): exact for float32
+        # matmuls (float32 queries), to 2^-16 for bf16 ones
+        parts = 3 if jnp.promote_types(q.dtype, jnp.bfloat16) == jnp.float32 else 2
         scratch += [pltpu.VMEM((sub, sub * K), jnp.bfloat16), pltpu.VMEM((2 * parts * K, sub * K), jnp.float32)]
     # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
     # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
@@ -373,7 +372,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     # its fixed costs (at stop 46, a concatenating form read 4k x 32 int8 at 23.9 ms a
     # step where folding block by block took 29-31).
     kernel = functools.partial(_kernel, step_blocks=n, block=block, kv_heads=K, group=N // K, scale=H**-0.5,
-                               quantized=scales is not None, parts=parts, concatenate=concatenate,
+                               quantized=scales is not None, concatenate=concatenate,
                                with_lse=with_lse, aliased=keyless)
     outs = pl.pallas_call(
         kernel,

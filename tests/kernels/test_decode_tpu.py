@@ -163,7 +163,7 @@ def test_scale_rows_place_each_scale_on_its_columns_to_its_parts_precision(parts
     ks, vs = (rng.uniform(1e-4, 3e-2, (K, block)).astype(np.float32) for _ in range(2))
     expand = (np.arange(sub * K)[None, :] // K == np.arange(sub)[:, None]).astype(jnp.bfloat16)
     kept = (np.arange(2 * parts * K)[:, None] % K == np.arange(sub * K)[None, :] % K).astype(np.float32)
-    k_row, v_row = _scale_rows(jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(expand), jnp.asarray(kept), parts=parts)
+    k_row, v_row = _scale_rows(jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(expand), jnp.asarray(kept))
     for row, want in ((k_row, ks), (v_row, vs)):
         want = want.T.reshape(1, block * K)  # column t * K + h
         error = np.max(np.abs(np.asarray(row) - want) / want)
