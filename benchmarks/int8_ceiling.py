@@ -15,6 +15,14 @@ sheet's bandwidth:
 - `f32`: `matmuls` with an int8 block converted to float32 instead (one MXU pass).
 - `int8_mxu` (int8 only): both matmuls on int8 operands (q and p rounded to int8),
   int32 accumulation: no conversion of the blocks.
+- `scaled` (int8 with `--split True` only): `fold` with the int8 scales applied, the
+  least work they can take: each scale tile read as if stored in the score columns'
+  order (row `c` of a block's `[8, 128]` tile the scales of its columns `[128 c, 128 c
+  + 128)`), so a scale row is a slice of the tile broadcast over the query heads, no
+  expansion; the keys' row multiplies the scores, the values' the probabilities. The
+  decode kernel's tiles are stored heads-major and expanded by a matmul
+  (`_scale_rows`); this is the ceiling of an int8 kernel that applies per-token
+  scales.
 
 With `--split True` each step's blocks arrive as the decode kernel's do from a page
 pool: one DMA per 128-token block, and for int8 two scale tiles per block beside it.
@@ -37,7 +45,7 @@ from timing import median_times
 
 KV_HEADS, HEAD_DIM, HEADS, BLOCK = 8, 128, 16, 128
 ROWS = BLOCK * KV_HEADS  # one block's rows, kv heads folded in
-VARIANTS = ("dma", "matmuls", "fold", "f32", "int8_mxu")
+VARIANTS = ("dma", "matmuls", "fold", "f32", "int8_mxu", "scaled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +86,9 @@ def _kernel(q_ref, *refs, variant: str, split: int, scales: bool):
     def cat(refs):  # the step's blocks as one array (each block its own DMA when split)
         return jnp.concatenate([r[...] for r in refs], axis=0) if len(refs) > 1 else refs[0][...]
 
-    for ref in scale_refs:  # DMA'd and touched, not applied: what their DMAs cost
-        acc_ref[:8] += ref[...]
+    if variant != "scaled":
+        for ref in scale_refs:  # DMA'd and touched, not applied: what their DMAs cost
+            acc_ref[:8] += ref[...]
     if variant == "dma":
         for ref in kv:
             acc_ref[:8] += ref[:8].astype(jnp.float32)
@@ -94,7 +103,9 @@ def _kernel(q_ref, *refs, variant: str, split: int, scales: bool):
         q = q_ref[...].astype(dtype)
         k, v = cat(kv[:split]).astype(dtype), cat(kv[split:]).astype(dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.088
-        if variant == "fold":
+        if variant == "scaled":
+            s = _scaled(s, scale_refs[:split])
+        if variant in ("fold", "scaled"):
             row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
             col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             ok = (col % KV_HEADS == row // (HEADS // KV_HEADS)) & (col // KV_HEADS < 100_000)
@@ -106,9 +117,18 @@ def _kernel(q_ref, *refs, variant: str, split: int, scales: bool):
             l_ref[...] = alpha * l_ref[...] + jnp.sum(s, axis=1, keepdims=True)
             m_ref[...] = m_new
             acc_ref[...] *= alpha[:, :1]
+        if variant == "scaled":
+            s = _scaled(s, scale_refs[split:])
         acc_ref[...] += jax.lax.dot_general(s.astype(dtype), v, (((1,), (0,)), ((), ())),
                                             preferred_element_type=jnp.float32)
     o_ref[...] = acc_ref[...] + l_ref[:, :1]
+
+
+def _scaled(x, tile_refs):
+    """`x [heads, blocks * 1024]` times each block's scales, row `c` of its tile `[8,
+    128]` on its columns `[128 c, 128 c + 128)`."""
+    rows = [ref[c:c + 1, :] for ref in tile_refs for c in range(ref.shape[0])]
+    return jnp.concatenate([x[:, 128 * i:128 * (i + 1)] * row for i, row in enumerate(rows)], axis=1)
 
 
 def stream(q, k, v, scales, *, variant: str, rows_per_step: int, split: bool, interpret: bool):
@@ -164,11 +184,16 @@ def main(args: Args) -> None:
                 scales = tuple(jnp.ones((blocks, KV_HEADS, BLOCK), jnp.float32) for _ in range(2))
             calls = {}
             for variant in args.variants:
-                if variant == "int8_mxu" and dtype != "int8":
+                if (variant == "int8_mxu" and dtype != "int8") or (variant == "scaled" and scales is None):
                     continue
                 fn = jax.jit(functools.partial(stream, variant=variant, rows_per_step=rows, split=split,
                                                interpret=args.interpret))
-                compiled = fn.lower(q, k, v, scales).compile()
+                try:
+                    compiled = fn.lower(q, k, v, scales).compile()
+                except Exception as e:  # one variant Mosaic refuses leaves the others measured
+                    print(json.dumps({"kv": dtype, "rows_per_step": rows, "split": split, "variant": variant,
+                                      "failed": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+                    continue
                 calls[variant] = lambda c=compiled, k=k, v=v, s=scales: jax.block_until_ready(c(q, k, v, s))
             for variant, seconds in median_times(calls, args.repeats).items():
                 print(json.dumps({"kv": dtype, "rows_per_step": rows, "split": split, "variant": variant,

@@ -164,7 +164,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         """Fold the step's `blocks` (consecutive, tokens from `start`) into the online
         softmax; `partial`: some of their positions lie outside `[0, length)` (a dead
         slot before the first block, or past the last key)."""
-        start = (first + blocks[0]) * block
+        start, cols = (first + blocks[0]) * block, len(blocks) * block * kv_heads
         k = cat(k_refs, blocks).astype(dtype)  # [tokens * kv_heads, head_dim]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         v_row = None
@@ -174,7 +174,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
             s = s * (k_row * scale)
         else:
             s = s * scale
-        s = s + bias_ref[...]  # other kv heads' columns masked
+        s = s + bias_ref[:, :cols]  # other kv heads' columns masked
         if partial:  # column c holds position start + c // kv_heads
             col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             s = jnp.where((col >= -start * kv_heads) & (col < (length - start) * kv_heads), s, _MASKED)
@@ -194,11 +194,13 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
 
     # A step's blocks are whole and live except in a sequence's first step (its dead
     # slots) and its last block (past the last key); only those folds mask positions.
-    if concatenate:  # one fold, its dead slots (re-named live blocks) masked
+    if concatenate:  # one fold of the step's live slots: all but a first step's `-first` dead ones
         whole = (first >= 0) & ((first + step_blocks) * block <= length)
         live = first * block < length
         pl.when(live & whole)(functools.partial(fold, tuple(range(step_blocks)), False))
-        pl.when(live & ~whole)(functools.partial(fold, tuple(range(step_blocks)), True))
+        for dead in range(step_blocks):
+            pl.when(live & ~whole & (jnp.maximum(-first, 0) == dead))(
+                functools.partial(fold, tuple(range(dead, step_blocks)), True))
     else:  # block by block: a slot before the sequence's first block or past its last costs no compute
         for i in range(step_blocks):
             live = (first + i >= 0) & ((first + i) * block < length)
