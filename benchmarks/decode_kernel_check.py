@@ -1,10 +1,10 @@
 """On a TPU: the decode kernel compiled by Mosaic against a float64 reference, and
 what the int8 cache's scales cost in each layout.
 
-- **layouts**: the bytes XLA allocates (`memory_analysis`, output of a jitted
-  `zeros`) for a Qwen3-0.6B-shaped page pool's float32 scales stored
-  `[layers, pages, page_size, kv_heads]` and tokens-minor `[layers, pages, kv_heads,
-  page_size]`, beside their logical size and the int8 values';
+- **layouts**: the bytes the device allocates for a Qwen3-0.6B-shaped page pool's
+  float32 scales stored `[layers, pages, page_size, kv_heads]`, tokens-minor
+  `[layers, pages, kv_heads, page_size]` and as the cache stores them, in rows of 128
+  (`eqx_tx.kernels.quantized`), beside their logical size and the int8 values';
 - **kernel**: `decode_attention_dense` and `decode_attention_blocks` (bf16 and int8,
   Qwen3-0.6B's 16 query and 8 kv heads of 128) against attention in float64 over the
   same (dequantized) keys and values: the largest absolute error.
@@ -21,7 +21,7 @@ import numpy as np
 from model_flops import kv_element_bytes
 
 from eqx_tx.kernels.decode_tpu import decode_attention_blocks, decode_attention_dense
-from eqx_tx.kernels.quantized import Quantized
+from eqx_tx.kernels.quantized import Quantized, scale_shape, stored_scales
 
 
 def allocated_bytes(shape, dtype) -> int:
@@ -63,12 +63,12 @@ def reference(q, k, v, lengths):
 
 def quantized(x):
     q = Quantized.quantize(jnp.asarray(x))
-    return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32), np.float64)
+    return q.values, stored_scales(q.scale), np.asarray(q.dequantize(jnp.float32), np.float64)
 
 
 def stored(k, v, dtype: str):
     """`k, v` as a cache of `dtype` stores them, their float64 values as it gives them
-    back, and the int8 scales (tokens-minor; `None` for bf16)."""
+    back, and the int8 scales (as stored; `None` for bf16)."""
     if dtype == "bf16":
         kk, vv = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
         return (kk, vv), (np.asarray(kk, np.float64), np.asarray(vv, np.float64)), None
@@ -84,6 +84,7 @@ def main() -> None:
     rows = {"logical_scale_bytes": L * pages * page * K * 4,
             "scales_tokens_major": allocated_bytes((L, pages, page, K), jnp.float32),
             "scales_tokens_minor": allocated_bytes((L, pages, K, page), jnp.float32),
+            "scales_rows_of_128": allocated_bytes(scale_shape((L, pages), page, K, 1), jnp.float32),
             "int8_values_bytes": allocated_bytes((L, pages, page, K, H), jnp.int8),
             "bf16_values_bytes": allocated_bytes((L, pages, page, K, H), jnp.bfloat16)}
     print(json.dumps({"layouts": rows}), flush=True)

@@ -13,8 +13,12 @@ sheet's bandwidth. No weights, no cache writes: what the kernel costs a decode s
 `--modules` times other copies of the kernel beside it, interleaved in one process (an
 earlier commit's, to compare on the chip):
 
-    git show e7862aa:eqx_tx/kernels/decode_tpu.py > eqx_tx/kernels/decode_tpu_e7862aa.py
-    python benchmarks/decode_kernel_time.py --modules eqx_tx.kernels.decode_tpu eqx_tx.kernels.decode_tpu_e7862aa
+    git show 05d3b05:eqx_tx/kernels/decode_tpu.py > eqx_tx/kernels/decode_tpu_05d3b05.py
+    python benchmarks/decode_kernel_time.py --modules eqx_tx.kernels.decode_tpu eqx_tx.kernels.decode_tpu_05d3b05
+
+A module from before the int8 scales were stored in rows of 128 (one with
+`_scale_rows`) is handed the same scales in its layout, `[layers, pages, kv_heads,
+page_size]`.
 """
 
 import dataclasses
@@ -26,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 from timing import median_times
+
+from eqx_tx.kernels.quantized import scales_by_token, stored_scales
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, PAGE = 28, 8, 128, 16, 128
 
@@ -53,8 +59,9 @@ def pool(batch: int, live: int, dtype: str, rng):
     scales = None
     if dtype == "int8":
         k, v = (jax.device_put(rng.integers(-127, 128, shape, dtype=np.int8)) for _ in range(2))
-        scale_shape = (LAYERS, shape[1], KV_HEADS, PAGE)
-        scales = tuple(jax.device_put(rng.uniform(1e-3, 3e-2, scale_shape).astype(np.float32)) for _ in range(2))
+        by_token = (LAYERS, shape[1], PAGE, KV_HEADS)
+        scales = tuple(stored_scales(jax.device_put(rng.uniform(1e-3, 3e-2, by_token).astype(np.float32)))
+                       for _ in range(2))
     else:
         keys = jax.random.split(jax.random.key(batch), 2)
         k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
@@ -81,7 +88,15 @@ def step_ms(q, k, v, table, lengths, scales, *, modules: tuple[str, ...], tokens
         compiled = layers.lower(q, k, v, table, lengths, scales).compile()
         return lambda: jax.block_until_ready(compiled(q, k, v, table, lengths, scales))
 
-    calls = {name: program(importlib.import_module(name).decode_attention_blocks) for name in modules}
+    def kernel(name):
+        module = importlib.import_module(name)
+        if scales is not None and hasattr(module, "_scale_rows"):  # heads-major scales, tokens-minor
+            heads_major = tuple(jnp.swapaxes(scales_by_token(x, PAGE, KV_HEADS), -1, -2) for x in scales)
+            return lambda q, k, v, layer, table, lengths, scales, **kw: module.decode_attention_blocks(
+                q, k, v, layer, table, lengths, scales=heads_major, **kw)
+        return module.decode_attention_blocks
+
+    calls = {name: program(kernel(name)) for name in modules}
     return {name: 1e3 * seconds for name, seconds in median_times(calls, repeats).items()}
 
 

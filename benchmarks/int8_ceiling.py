@@ -15,14 +15,12 @@ sheet's bandwidth:
 - `f32`: `matmuls` with an int8 block converted to float32 instead (one MXU pass).
 - `int8_mxu` (int8 only): both matmuls on int8 operands (q and p rounded to int8),
   int32 accumulation: no conversion of the blocks.
-- `scaled` (int8 with `--split True` only): `fold` with the int8 scales applied, the
-  least work they can take: each scale tile read as if stored in the score columns'
-  order (row `c` of a block's `[8, 128]` tile the scales of its columns `[128 c, 128 c
-  + 128)`), so a scale row is a slice of the tile broadcast over the query heads, no
-  expansion; the keys' row multiplies the scores, the values' the probabilities. The
-  decode kernel's tiles are stored heads-major and expanded by a matmul
-  (`_scale_rows`); this is the ceiling of an int8 kernel that applies per-token
-  scales.
+- `scaled` (int8 with `--split True` only): `fold` with the int8 scales applied as
+  the decode kernel applies them (`eqx_tx.kernels.decode_tpu.scale_columns`): row `c`
+  of a block's `[8, 128]` tile holds the scales of its score columns `[128 c, 128 c +
+  128)` (the tokens-major layout of `eqx_tx.kernels.quantized`), a slice of the tile
+  broadcast over the query heads; the keys' row multiplies the scores, the values'
+  the probabilities.
 
 With `--split True` each step's blocks arrive as the decode kernel's do from a page
 pool: one DMA per 128-token block, and for int8 two scale tiles per block beside it.
@@ -42,6 +40,8 @@ import tyro
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from timing import median_times
+
+from eqx_tx.kernels.decode_tpu import scale_columns
 
 KV_HEADS, HEAD_DIM, HEADS, BLOCK = 8, 128, 16, 128
 ROWS = BLOCK * KV_HEADS  # one block's rows, kv heads folded in
@@ -104,7 +104,7 @@ def _kernel(q_ref, *refs, variant: str, split: int, scales: bool):
         k, v = cat(kv[:split]).astype(dtype), cat(kv[split:]).astype(dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.088
         if variant == "scaled":
-            s = _scaled(s, scale_refs[:split])
+            s = scale_columns(s, scale_refs[:split])
         if variant in ("fold", "scaled"):
             row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
             col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -118,24 +118,17 @@ def _kernel(q_ref, *refs, variant: str, split: int, scales: bool):
             m_ref[...] = m_new
             acc_ref[...] *= alpha[:, :1]
         if variant == "scaled":
-            s = _scaled(s, scale_refs[split:])
+            s = scale_columns(s, scale_refs[split:])
         acc_ref[...] += jax.lax.dot_general(s.astype(dtype), v, (((1,), (0,)), ((), ())),
                                             preferred_element_type=jnp.float32)
     o_ref[...] = acc_ref[...] + l_ref[:, :1]
 
 
-def _scaled(x, tile_refs):
-    """`x [heads, blocks * 1024]` times each block's scales, row `c` of its tile `[8,
-    128]` on its columns `[128 c, 128 c + 128)`."""
-    rows = [ref[c:c + 1, :] for ref in tile_refs for c in range(ref.shape[0])]
-    return jnp.concatenate([x[:, 128 * i:128 * (i + 1)] * row for i, row in enumerate(rows)], axis=1)
-
-
 def stream(q, k, v, scales, *, variant: str, rows_per_step: int, split: bool, interpret: bool):
     """One pass of `variant` over every block of `k, v` (`[blocks * ROWS, HEAD_DIM]`):
     `rows_per_step` rows a grid step, as one DMA per operand, or (`split`) one per
-    block, with (int8: `scales`, `[blocks, KV_HEADS, BLOCK]` twice) each block's
-    scale tiles."""
+    block, with (int8: `scales`, `[blocks, ROWS // 128, 128]` twice) each block's
+    scale tile."""
     parts = rows_per_step // ROWS if split else 1
     rows = rows_per_step // parts
 
@@ -143,7 +136,7 @@ def stream(q, k, v, scales, *, variant: str, rows_per_step: int, split: bool, in
         return pl.BlockSpec((rows, HEAD_DIM), lambda i: (i * parts + b, 0))
 
     def scale_spec(b):
-        return pl.BlockSpec((None, KV_HEADS, BLOCK), lambda i: (i * parts + b, 0, 0))
+        return pl.BlockSpec((None, ROWS // 128, 128), lambda i: (i * parts + b, 0, 0))
 
     fixed = pl.BlockSpec((HEADS, HEAD_DIM), lambda i: (0, 0))
     in_specs, operands = [fixed] + [spec(b) for b in range(parts)] * 2, [q] + [k] * parts + [v] * parts
@@ -181,7 +174,7 @@ def main(args: Args) -> None:
         for rows, split in itertools.product(args.rows_per_step, args.split):
             scales = None
             if split and dtype == "int8":
-                scales = tuple(jnp.ones((blocks, KV_HEADS, BLOCK), jnp.float32) for _ in range(2))
+                scales = tuple(jnp.ones((blocks, ROWS // 128, 128), jnp.float32) for _ in range(2))
             calls = {}
             for variant in args.variants:
                 if (variant == "int8_mxu" and dtype != "int8") or (variant == "scaled" and scales is None):

@@ -10,7 +10,7 @@ import pytest
 from eqx_tx.cache.allocate import new_cache, new_paged_cache
 from eqx_tx.cache.dense import WINDOW_TOKENS
 from eqx_tx.kernels.paged import paged_attention
-from eqx_tx.kernels.quantized import Quantized
+from eqx_tx.kernels.quantized import Quantized, scales_by_token
 
 
 class _Shape:
@@ -64,7 +64,7 @@ def test_a_paged_bf16_pool_is_written_and_read_without_converting_the_whole_pool
 @pytest.mark.parametrize("seq", [5, WINDOW_TOKENS])
 def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
     """A chunk's rows land at their positions (a row wholly past the end: dropped) in
-    every storage (float32, bf16 bits, int8 values with tokens-minor scales): token by
+    every storage (float32, bf16 bits, int8 values with their scales in rows of 128): token by
     token below `WINDOW_TOKENS`, else as one scatter of a window per row."""
     rng = np.random.default_rng(2)
     B, L, K, D = 3, 3 * seq, 2, 32
@@ -76,7 +76,7 @@ def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
         written = cache.write(jnp.asarray(1), k_new, v_new, positions)
         for new, stored, scales in ((k_new, written.k, written.k_scale), (v_new, written.v, written.v_scale)):
             want = np.zeros((B, L, K, D), np.float32)
-            want_scale = np.zeros((B, K, L), np.float32)
+            want_scale = np.zeros((B, L, K), np.float32)
             if dtype == "int8":
                 q = Quantized.quantize(new)
                 values, scale = np.asarray(q.values, np.float32), np.asarray(q.scale)
@@ -86,13 +86,16 @@ def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
                 if starts[b] + seq <= L:
                     want[b, starts[b]:starts[b] + seq] = values[b]
                     if scale is not None:
-                        want_scale[b, :, starts[b]:starts[b] + seq] = scale[b].T
+                        want_scale[b, starts[b]:starts[b] + seq] = scale[b]
             got = stored[1] if dtype != jnp.bfloat16 else jax.lax.bitcast_convert_type(stored[1], jnp.bfloat16)
             np.testing.assert_array_equal(np.asarray(got, np.float32), want)
             assert not np.asarray(stored[0], np.float32).any()  # another layer: untouched
             if scales is not None:
-                np.testing.assert_array_equal(np.asarray(scales[1]), want_scale)
+                np.testing.assert_array_equal(np.asarray(scales_by_token(scales[1], L, K)), want_scale)
         jaxpr = jax.make_jaxpr(lambda c: c.write(jnp.asarray(1), k_new, v_new, positions))(cache)
-        indices = [e.invars[1].aval.shape for e in jaxpr.eqns if e.primitive.name == "scatter"]
+        buffers = {x.shape for x in jax.tree.leaves(cache)}
+        indices = [e.invars[1].aval.shape for e in jaxpr.eqns
+                   if e.primitive.name == "scatter" and e.invars[0].aval.shape in buffers]  # into the cache
         per_write = (B, 3) if seq >= WINDOW_TOKENS else (B, seq, 3)
-        assert indices == [per_write] * (4 if dtype == "int8" else 2), indices
+        per_scale = (B, 3) if seq >= WINDOW_TOKENS else (B * seq, 4)  # (index, row, scale row(, lane))
+        assert indices == [per_write] * 2 + ([per_scale] * 2 if dtype == "int8" else []), indices

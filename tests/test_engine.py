@@ -106,13 +106,16 @@ def test_smallest_shapes_pad_short_chunks_and_few_rows_and_change_no_result(chec
 
 
 def test_tp_int8_engine_equals_generate(checkpoints):
-    """An int8 pool on a tp=2 mesh (kv heads split like the model's), short of pages."""
+    """An int8 pool on a tp=2 mesh (kv heads split like the model's, their scales in one
+    group per device: `eqx_tx.kernels.quantized`), short of pages."""
     mesh = eqx_tx.make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
     model = eqx_tx.load(checkpoints["gqa4_bias"], mesh=mesh, progress=False)
     requests = _workload(model.config.vocab_size, seed=1)[:5]
     engine = eqx_tx.Engine(model, max_seqs=3, max_tokens_in_cache=96, page_size=16, prefill_chunk=32,
                            cache_dtype="int8")
-    assert engine.runner.cache.k.dtype == jax.numpy.int8 and engine.runner.cache.k.sharding.spec[3] == "tp"
+    cache = engine.runner.cache
+    assert cache.k.dtype == jax.numpy.int8 and cache.k.sharding.spec[3] == "tp"
+    assert cache.k_scale.shape[2] == 2 and cache.k_scale.sharding.spec[2] == "tp"  # [layers, pages, groups, ...]
     _assert_equal_to_generate(model, requests, engine.run(requests), cache_dtype="int8")
 
 

@@ -10,11 +10,11 @@ from typing import Protocol
 
 import jax
 
-from ..core.sharding import abstract_with_shardings, tree_shardings
+from ..core.sharding import RULES, abstract_with_shardings, mesh_axis_size, tree_shardings
 from ..kernels.dispatch import target_platform
 from .dense import KVCache
 from .paged import PagedKVCache
-from .storage import storage_dtype
+from .storage import scale_groups, storage_dtype
 
 
 class CacheShape(Protocol):
@@ -49,7 +49,8 @@ def new_cache(
     """
     return _placed(KVCache.zeros, dict(layers=config.num_hidden_layers, batch=batch, max_len=max_len,
                                        kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                       dtype=storage_dtype(dtype, target_platform(mesh))), mesh, abstract)
+                                       dtype=storage_dtype(dtype, target_platform(mesh)),
+                                       scale_groups=_scale_groups(config, mesh)), mesh, abstract)
 
 
 def new_paged_cache(
@@ -62,8 +63,14 @@ def new_paged_cache(
     return _placed(PagedKVCache.zeros, dict(layers=config.num_hidden_layers, pages=pages, page_size=page_size,
                                             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                                             dtype=storage_dtype(dtype, target_platform(mesh)), batch=batch,
-                                            pages_per_seq=pages_per_seq),
+                                            pages_per_seq=pages_per_seq, scale_groups=_scale_groups(config, mesh)),
                    mesh, abstract)
+
+
+def _scale_groups(config: CacheShape, mesh) -> int:
+    """An int8 cache's scale groups: one per device along the mesh axes its kv heads
+    split over (`eqx_tx.kernels.quantized`)."""
+    return scale_groups(config.num_key_value_heads, mesh_axis_size(mesh, RULES["cache_kv_heads"]))
 
 
 def _placed(zeros: Callable, sizes: dict, mesh, abstract: bool):

@@ -2,7 +2,8 @@
 
 `KVCache` holds `[layers, batch, max_len, kv_heads, head_dim]` keys and values.
 With `dtype="int8"` they are stored as int8 with a float32 scale per (token, kv
-head), `[layers, batch, kv_heads, max_len]` (tokens-minor, `eqx_tx.cache.storage`):
+head), `[layers, batch, groups, rows, lanes]` (tokens-major rows of 128 lanes,
+`eqx_tx.kernels.quantized`):
 `x ≈ q * scale`, `scale = max|x| / 127` over `head_dim`. That is
 `(head_dim + 4) / (2 * head_dim)` of a bf16 cache (51.6% at head_dim 128).
 Quantization happens on write; attention dequantizes one key/value block at a time
@@ -23,7 +24,7 @@ from ..kernels.mask import AttentionMask
 from ..kernels.quantized import Quantized
 from ..kernels.sdpa import attend
 from .base import AbstractCache
-from .storage import KVStorage, store_kv, zero_kv
+from .storage import KVStorage, put_scale_windows, put_scales, store_kv, zero_kv
 
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
 # Rows of at least this many tokens are written as one window each. On a TPU v5e an
@@ -32,7 +33,7 @@ KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
 # a loop: a decode step at batch 64 took 26.2 ms with windows of one token, 14.3 ms
 # without; `benchmarks/results/accelerator_tpu_v5e.md`, stop 51).
 WINDOW_TOKENS = 64
-SCALE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_seq")
+SCALE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_seq", None)
 
 
 @final
@@ -46,8 +47,8 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
 
     k: Array
     v: Array
-    k_scale: Float[Array, "layers batch kv_heads max_len"] | None
-    v_scale: Float[Array, "layers batch kv_heads max_len"] | None
+    k_scale: Float[Array, "layers batch groups rows lanes"] | None
+    v_scale: Float[Array, "layers batch groups rows lanes"] | None
 
     def __init__(self, k, v, k_scale=None, v_scale=None):
         self.k = k
@@ -56,8 +57,9 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
         self.v_scale = v_scale
 
     @classmethod
-    def zeros(cls, *, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        return cls(*zero_kv((layers, batch, max_len, kv_heads, head_dim), dtype))
+    def zeros(cls, *, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype,
+              scale_groups: int = 1) -> "KVCache":
+        return cls(*zero_kv((layers, batch, max_len, kv_heads, head_dim), dtype, scale_groups))
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"k": KV_AXES, "v": KV_AXES, "k_scale": SCALE_AXES, "v_scale": SCALE_AXES}
@@ -107,10 +109,10 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
                 return _put_windows(buf, index, rows, positions[:, 0], x, seq_axis=2)
             return buf.at[index, rows[:, None], positions].set(x.astype(buf.dtype), mode="drop")
 
-        def put_scale(buf, x):  # x [rows, seq, kv_heads] into buf [layers, batch, kv_heads, max_len]
+        def put_scale(buf, x):  # x [rows, seq, kv_heads] into buf [layers, batch, groups, rows, lanes]
             if windows:
-                return _put_windows(buf, index, rows, positions[:, 0], jnp.swapaxes(x, 1, 2), seq_axis=3)
-            return buf.at[index, rows[:, None], :, positions].set(x, mode="drop")
+                return put_scale_windows(buf, index, rows, positions[:, 0], x)
+            return put_scales(buf, (index, rows[:, None]), positions, x)
 
         return store_kv(self, put, put_scale, k_new, v_new)
 

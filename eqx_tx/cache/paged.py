@@ -1,8 +1,8 @@
 """A paged key/value cache: one pool of fixed-size pages shared by all sequences.
 
 The pool holds `[layers, pages, page_size, kv_heads, head_dim]` keys and values
-(int8 with a float32 scale per token and kv head, `[layers, pages, kv_heads,
-page_size]`, as `KVCache`). Each sequence owns
+(int8 with a float32 scale per token and kv head, `[layers, pages, groups, rows,
+lanes]`, as `KVCache`). Each sequence owns
 the pages its page table lists: position `t` of sequence `b` lives in page
 `page_table[b, t // page_size]` at offset `t % page_size`. Page ids equal to the
 pool size mark unallocated entries: writes there are dropped and reads are masked
@@ -34,10 +34,10 @@ from ..kernels.mask import AttentionMask
 from ..kernels.paged import paged_attention
 from ..kernels.quantized import Quantized
 from .base import AbstractCache
-from .storage import KVStorage, store_kv, zero_kv
+from .storage import KVStorage, put_scales, store_kv, zero_kv
 
 POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
-POOL_SCALE_AXES = ("layers", "cache_pages", "cache_kv_heads", "cache_seq")
+POOL_SCALE_AXES = ("layers", "cache_pages", "cache_kv_heads", "cache_seq", None)
 TABLE_AXES = ("cache_table", None)
 
 
@@ -47,8 +47,8 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
 
     k: Array
     v: Array
-    k_scale: Float[Array, "layers pages kv_heads page_size"] | None
-    v_scale: Float[Array, "layers pages kv_heads page_size"] | None
+    k_scale: Float[Array, "layers pages groups rows lanes"] | None
+    v_scale: Float[Array, "layers pages groups rows lanes"] | None
     page_table: Int[Array, "batch pages_per_seq"]
     groups: RowGroups | None = eqx.field(static=True)
     share_rows: int = eqx.field(static=True)
@@ -65,11 +65,11 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
     @classmethod
     def zeros(
         cls, *, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, batch: int,
-        pages_per_seq: int,
+        pages_per_seq: int, scale_groups: int = 1,
     ) -> "PagedKVCache":
         """An empty pool with every page-table entry unallocated."""
         table = jnp.full((batch, pages_per_seq), pages, jnp.int32)
-        return cls(*zero_kv((layers, pages, page_size, kv_heads, head_dim), dtype), table)
+        return cls(*zero_kv((layers, pages, page_size, kv_heads, head_dim), dtype, scale_groups), table)
 
     def param_axes(self) -> dict[str, tuple[str | None, ...]]:
         return {"k": POOL_AXES, "v": POOL_AXES, "k_scale": POOL_SCALE_AXES, "v_scale": POOL_SCALE_AXES,
@@ -103,8 +103,8 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
 
     def pools(self) -> tuple[Array | Quantized, Array | Quantized]:
         """The whole key and value pools, for `eqx_tx.kernels.paged.paged_attention`
-        (for an int8 pool `Quantized` pairs whose scales keep the pool's tokens-minor
-        layout: the kernel swaps the pages it gathers, not the pool)."""
+        (for an int8 pool `Quantized` pairs whose scales keep the pool's layout: the
+        kernel lays out the pages it gathers, not the pool)."""
         if self.scales is not None:
             k_scale, v_scale = self.scales
             return Quantized(self.k, k_scale), Quantized(self.v, v_scale)
@@ -131,7 +131,7 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
 
         def put_scale(buf, x):
-            return buf.at[index, page, :, offset].set(x, mode="drop")
+            return put_scales(buf, (index, page), offset, x)
 
         return store_kv(self, put, put_scale, k_new, v_new)
 

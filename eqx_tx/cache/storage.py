@@ -5,10 +5,11 @@ that `KVCache` and `PagedKVCache` hold; `zero_kv` and `store_kv` create and writ
 them the same way for both.
 
 Keys/values are `[..., tokens, kv_heads, head_dim]`; their scales are stored
-tokens-minor, `[..., kv_heads, tokens]`: what the TPU decode kernel reads, a
-`[kv_heads, block]` tile per block of tokens (`eqx_tx.kernels.decode_tpu`).
-`KVStorage.pair` hands them out as `Quantized` (`[..., tokens, kv_heads]`) all the
-same.
+`[..., groups, rows, lanes]`, tokens-major in rows of 128 lanes
+(`eqx_tx.kernels.quantized` gives the layout): what the TPU decode kernel reads, a
+row per 128 of its score columns (`eqx_tx.kernels.decode_tpu`). `KVStorage.pair`
+hands them out as `Quantized` (`[..., tokens, kv_heads]`) all the same;
+`put_scales` and `put_scale_windows` write them.
 
 On XLA:CPU a bf16 cache is stored as its uint16 bit patterns (`storage_dtype`):
 XLA:CPU has no bf16 arithmetic, and a scatter into a bf16 buffer (or a read of a few
@@ -23,9 +24,10 @@ from typing import TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, Float, Int
 
-from ..kernels.quantized import BITS, Quantized, as_values
+from ..core.util import ceil_div
+from ..kernels.quantized import BITS, Quantized, as_values, scale_shape, scales_by_token
 
 
 def storage_dtype(dtype, platform: str):
@@ -58,30 +60,31 @@ class KVStorage(eqx.Module):
 
     @property
     def scales(self) -> tuple[Array, Array] | None:
-        """The key and value scales as stored (tokens-minor), or `None` unless int8."""
+        """The key and value scales as stored (`[..., groups, rows, lanes]`), or `None` unless int8."""
         if self.k_scale is None or self.v_scale is None:
             return None
         return self.k_scale, self.v_scale
 
     def pair(self, pick: Callable[[Array], Array]) -> tuple[Array | Quantized, Array | Quantized]:
         """`pick` applied to the keys and to the values (as `Quantized` pairs with their
-        scales for int8; `pick` sees the scales tokens-minor and they come back
-        `[..., tokens, kv_heads]`; `BITS` come back as bf16)."""
+        scales for int8; `pick` sees the scales as stored, its leading axes the
+        keys', and they come back `[..., tokens, kv_heads]`; `BITS` come back as bf16)."""
         if self.scales is not None:
-            k_scale, v_scale = self.scales
-            return (Quantized(pick(self.k), jnp.swapaxes(pick(k_scale), -1, -2)),
-                    Quantized(pick(self.v), jnp.swapaxes(pick(v_scale), -1, -2)))
+            k, v = pick(self.k), pick(self.v)
+            tokens, kv_heads = k.shape[-3], k.shape[-2]
+            k_scale, v_scale = (scales_by_token(pick(x), tokens, kv_heads) for x in self.scales)
+            return Quantized(k, k_scale), Quantized(v, v_scale)
         return as_values(pick(self.k)), as_values(pick(self.v))
 
 
 C = TypeVar("C", bound=KVStorage)
 
 
-def zero_kv(shape: tuple[int, ...], dtype) -> tuple[Array, Array, Array | None, Array | None]:
+def zero_kv(shape: tuple[int, ...], dtype, scale_groups: int = 1) -> tuple[Array, Array, Array | None, Array | None]:
     """Zero `k, v` of `shape` `[..., tokens, kv_heads, head_dim]` (and, for int8, zero
-    scales `[..., kv_heads, tokens]`)."""
+    scales, their kv heads in `scale_groups` groups: `eqx_tx.kernels.quantized`)."""
     if jnp.dtype(dtype) == jnp.int8:
-        scale = jnp.zeros((*shape[:-3], shape[-2], shape[-3]), jnp.float32)
+        scale = jnp.zeros(scale_shape(shape[:-3], shape[-3], shape[-2], scale_groups), jnp.float32)
         return jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, None
 
@@ -90,7 +93,7 @@ def store_kv(cache: C, put: Callable[[Array, Array], Array], put_scale: Callable
              k_new: Array, v_new: Array) -> C:
     """`cache` with `put(buffer, new)` applied to its keys and values (quantized first
     for an int8 cache, and `put_scale(scales, new [..., tokens, kv_heads])` to their
-    tokens-minor scales; as bf16 bit patterns into `BITS`)."""
+    scales; as bf16 bit patterns into `BITS`)."""
     if cache.scales is not None:
         kq, vq = Quantized.quantize(k_new), Quantized.quantize(v_new)
         k_scale, v_scale = cache.scales
@@ -101,3 +104,60 @@ def store_kv(cache: C, put: Callable[[Array, Array], Array], put_scale: Callable
         k_new, v_new = (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BITS) for x in (k_new, v_new))
     new = (put(cache.k, k_new), put(cache.v, v_new))
     return eqx.tree_at(lambda c: (c.k, c.v), cache, new)
+
+
+def scale_groups(kv_heads: int, tp: int) -> int:
+    """The groups an int8 cache's scales are stored in on a mesh with `tp`
+    tensor-parallel devices: one per device's share of the kv heads where they split
+    over `tp` (each device then holds its own heads' scales), else one."""
+    return tp if tp > 1 and kv_heads % tp == 0 else 1
+
+
+def _row_lane(scales: Array, positions: Array, kv_heads: int) -> tuple[Array, Array, int]:
+    """The row and first lane of each position's scales in `scales [..., groups, rows,
+    lanes]`, and a group's heads."""
+    heads = kv_heads // scales.shape[-3]
+    per_row = scales.shape[-1] // heads
+    return positions // per_row, (positions % per_row) * heads, heads
+
+
+def put_scales(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Array, ...],
+               positions: Int[Array, "*tokens"], x: Float[Array, "*tokens kv_heads"]) -> Array:
+    """`scales` with token `i`'s `x[i]` written at `(*lead[:][i], positions[i])`, each
+    token's heads one window of its row (a row or lead index out of range: dropped).
+    `lead`: indices into `scales`' leading axes, broadcast to `positions`' shape."""
+    row, lane, heads = _row_lane(scales, positions, x.shape[-1])
+    n_lead, groups = len(lead), scales.shape[-3]
+    index = [jnp.broadcast_to(i, positions.shape).astype(jnp.int32) for i in lead] + [row, lane]
+    indices = jnp.stack([i.astype(jnp.int32).reshape(-1) for i in index], axis=-1)
+    updates = x.reshape(-1, groups, heads).astype(scales.dtype)
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(*range(n_lead), n_lead + 1),
+        scatter_dims_to_operand_dims=(*range(n_lead), n_lead + 1, n_lead + 2))
+    return jax.lax.scatter(scales, indices, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def put_scale_windows(scales: Float[Array, "layers batch groups rows lanes"], index: Int[Array, ""],
+                      rows: Int[Array, " rows"], starts: Int[Array, " rows"],
+                      x: Float[Array, "rows seq kv_heads"]) -> Array:
+    """`scales[index, rows[r]]` with `x[r]` written at positions `[starts[r], starts[r]
+    + seq)` (a window past the cache's tokens: dropped, as the keys' windows are): the
+    rows it covers read, updated as one flat run and written back, two windows per
+    row instead of a scatter per token."""
+    _, _, groups, R, lanes = scales.shape
+    n_rows, seq, kv_heads = x.shape
+    first, _, heads = _row_lane(scales, starts, kv_heads)
+    per_row = lanes // heads
+    span = min(R, ceil_div(seq, per_row) + 1)  # rows a window of `seq` tokens can cover
+    first = jnp.clip(first, 0, R - span)
+    covered = jax.vmap(lambda b, r: jax.lax.dynamic_slice(scales, (index, b, 0, r, 0), (1, 1, groups, span, lanes)))(
+        rows, first)[:, 0, 0]  # [rows, groups, span, lanes]
+    new = jnp.swapaxes(x.reshape(n_rows, seq, groups, heads), 1, 2).reshape(n_rows, groups, seq * heads)
+    run = jax.vmap(lambda c, n, at: jax.lax.dynamic_update_slice(c, n, (0, at)))(
+        covered.reshape(n_rows, groups, span * lanes), new.astype(scales.dtype), (starts - first * per_row) * heads)
+    inside = starts + seq <= R * per_row
+    indices = jnp.stack([jnp.broadcast_to(index, rows.shape), rows, jnp.where(inside, first, R)], axis=-1)
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(0, 1),
+                                              scatter_dims_to_operand_dims=(0, 1, 3))
+    return jax.lax.scatter(scales, indices.astype(jnp.int32), run.reshape(n_rows, groups, span, lanes), numbers,
+                           indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)

@@ -27,23 +27,25 @@ which a decode step has to spare (a Qwen3-0.6B row reads 4 KiB per cached token 
 of the block. The matmuls take bf16 operands (an int8 block converted, exactly),
 accumulating in float32.
 
-An int8 cache comes with float32 scales per (token, kv head), stored tokens-minor
-(`[..., kv_heads, tokens]`: a `[kv_heads, block]` tile per block, tokens along the
-lanes). The score of column `(token t, kv head h)` is multiplied by
-`k_scale[h, t]` and each probability by `v_scale[h, t]` before `p @ v`; the scales
-reach those columns as one row each, by a one-pass 0/1 matmul and a masked sum over
-sublanes (`_scale_rows`), so no vector moves between lanes and sublanes.
+An int8 cache comes with float32 scales per (token, kv head), stored tokens-major in
+rows of 128 lanes (`eqx_tx.kernels.quantized`): row `c` of a block's `[block * kv_heads
+/ 128, 128]` tile holds the scales of its score columns `[128 c, 128 c + 128)`
+(`scale_columns`). The scores are multiplied by the keys' scales and the
+probabilities by the values' before `p @ v`, each 128 columns by one row of a tile,
+broadcast over the query heads.
 
-The masks that do not change (each query head's kv head; the scales' heads) are made
-once per call in VMEM; positions are masked only in the folds that hold a dead slot
-or a sequence's last key. On a TPU v5e a minimal kernel that converts int8 blocks to
-bf16 and runs both matmuls on them, 512 tokens a step, read them at 74% of the data
-sheet's bandwidth, as fast as their DMAs alone (`benchmarks/int8_ceiling.py`); this
-kernel read them at 32% before its masks were made once (stop 53): the rest of its
-step (scales, masks, a DMA per block), not the conversion, is the int8 kernel's cost.
+The masks that do not change (each query head's kv head) are made once per call in
+VMEM; positions are masked only in the folds that hold a dead slot or a sequence's
+last key. On a TPU v5e a minimal kernel that converts int8 blocks to bf16, runs both
+matmuls and the online softmax on them and applies their scales this way, 512 tokens
+a step, read them at 70% of the data sheet's bandwidth, within 3% of its DMAs alone
+(`benchmarks/int8_ceiling.py`, `scaled`); with its scales stored heads-major and
+spread over the columns by a 0/1 matmul each step, this kernel read them at 35-44%
+(stop 54).
 """
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,9 +68,12 @@ DENSE_BLOCK = 128  # tokens per block of a dense cache (`decode_attention_dense`
 def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_block: int | None = None) -> str | None:
     """Why Mosaic cannot compile the kernel for these shapes on a TPU (`None` if it
     can; Pallas's interpreter takes any). `int8_block`: an int8 cache read in blocks
-    of this many tokens (its scales' lanes: a multiple of 128)."""
-    if int8_block is not None and int8_block % _LANES:
-        return f"int8 scales read in blocks of {int8_block} tokens (not a multiple of {_LANES})"
+    of this many tokens (whole `[8, 128]` tiles of its scales per block)."""
+    if int8_block is not None and (int8_block * kv_heads) % (8 * _LANES):
+        return (f"int8 scales of {kv_heads} kv heads read in blocks of {int8_block} tokens (not a multiple of "
+                f"{8 * _LANES} scales: whole tiles of 8 rows of {_LANES})")
+    if int8_block is not None and _LANES % kv_heads:
+        return f"int8 scales of {kv_heads} kv heads (not a divisor of {_LANES}: a token's would straddle two rows)"
     if head_dim % 128:
         return f"head_dim {head_dim} is not a multiple of 128"
     if kv_heads % 8:
@@ -80,35 +85,15 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
     return None
 
 
-def _scale_rows(k_scales, v_scales, expand, kept):
-    """`[kv_heads, block]` key and value scales as rows `[1, block * kv_heads]` over
-    the score columns: column `t * kv_heads + h` gets `scales[h, t]`.
-
-    One 0/1 matmul per `sub` tokens (`expand [sub, sub * kv_heads]`) repeats each
-    token's scales over its `kv_heads` columns, every head's in its own row; the 0/1
-    `kept [2 * parts * kv_heads, sub * kv_heads]` keeps each column's own head, and a
-    sum over rows gives the row. The matmul runs on bf16 operands in one MXU pass, each
-    float32 scale in as the sum of `parts` bf16 parts (`kept` has a row per part, kv
-    head and k/v): 3 are exact (24 bits of mantissa); 2 are within 2^-16 of it
-    (relative), far below the bf16 rounding (up to 2^-8) that the probabilities take
-    before `p @ v`.
-    """
-    K, block = k_scales.shape
-    parts, pieces = kept.shape[0] // (2 * K), []
-    for x in (k_scales, v_scales):
-        for _ in range(parts):
-            piece = x.astype(jnp.bfloat16).astype(jnp.float32)
-            pieces.append(piece)
-            x = x - piece
-    stacked = jnp.concatenate(pieces, axis=0).astype(jnp.bfloat16)  # [2 * parts * K, block]
-    sub, half = expand.shape[0], parts * K
-    k_rows, v_rows = [], []
-    for i in range(0, block, sub):
-        cols = jnp.dot(stacked[:, i:i + sub], expand, preferred_element_type=jnp.float32) * kept
-        k_rows.append(jnp.sum(cols[:half], axis=0, keepdims=True))
-        v_rows.append(jnp.sum(cols[half:], axis=0, keepdims=True))
-    join = lambda rows: rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # noqa: E731
-    return join(k_rows), join(v_rows)
+def scale_columns(x: Float[Array, "rows cols"], tiles: Sequence) -> Float[Array, "rows cols"]:
+    """`x` with each `lanes` of its columns multiplied by one row of the scale `tiles`
+    (in order, each `[rows_per_tile, lanes]`: the tokens-major layout of
+    `eqx_tx.kernels.quantized`, 128 lanes), broadcast over `x`'s rows. `tiles` are
+    arrays or VMEM refs (a ref is read a row at a time)."""
+    rows = [tile[c:c + 1, :] for tile in tiles for c in range(tile.shape[0])]
+    w = tiles[0].shape[1]
+    chunks = [x[:, w * i:w * (i + 1)] * row for i, row in enumerate(rows)]
+    return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
@@ -117,17 +102,15 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
     # scale and value scale tiles; (`aliased`) the outputs' initial values, untouched
     # here; then the output (and its log-sum-exp), the scratch: the online softmax's
-    # state, the grouped-query mask and (int8) the scales' expansion and mask. Each
-    # block is folded into the online softmax on its own, or (`concatenate`) the step's
-    # blocks as one.
+    # state and the grouped-query mask. Each block is folded into the online softmax on
+    # its own, or (`concatenate`) the step's blocks as one.
     outputs = 2 if with_lse else 1
     k_refs, v_refs = rest[:step_blocks], rest[step_blocks:2 * step_blocks]
     n = (4 if quantized else 2) * step_blocks
     ks_refs, vs_refs = rest[2 * step_blocks:3 * step_blocks], rest[3 * step_blocks:n]
     n += outputs if aliased else 0
     o_ref, lse_ref = rest[n], (rest[n + 1] if with_lse else None)
-    m_ref, l_ref, acc_ref, bias_ref = rest[n + outputs:n + outputs + 4]
-    scale_refs = rest[n + outputs + 4:]  # int8: the scales' expansion and mask
+    m_ref, l_ref, acc_ref, bias_ref = rest[n + outputs:]
     t = pl.program_id(0)
     b, j = row_ref[t], step_ref[t]  # grid step t is step j of sequence b
     length = lengths_ref[b]  # 0: no keys (only when every sequence has none: a grid of one step)
@@ -142,12 +125,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         ref[...] = value(row, col).astype(ref.dtype)
 
     @pl.when(t == 0)
-    def _():  # the grid's constants, once
-        fill(bias_ref, lambda r, c: jnp.where(c % kv_heads == r // group, 0.0, _MASKED))  # query head -> its kv head
-        if quantized:  # token t of a sub-block -> its columns t * kv_heads + h; and row h's columns
-            expand_ref, kept_ref = scale_refs
-            fill(expand_ref, lambda r, c: c // kv_heads == r)
-            fill(kept_ref, lambda r, c: r % kv_heads == c % kv_heads)
+    def _():  # the grid's constant: each query head's kv head
+        fill(bias_ref, lambda r, c: jnp.where(c % kv_heads == r // group, 0.0, _MASKED))
 
     @pl.when(j == 0)
     def _():
@@ -157,8 +136,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
 
     q = q_ref[...].astype(dtype)  # [heads, head_dim]
 
-    def cat(refs, blocks, axis=0):
-        return jnp.concatenate([refs[i][...] for i in blocks], axis=axis) if len(blocks) > 1 else refs[blocks[0]][...]
+    def cat(refs, blocks):
+        return jnp.concatenate([refs[i][...] for i in blocks], axis=0) if len(blocks) > 1 else refs[blocks[0]][...]
 
     def fold(blocks, partial: bool):
         """Fold the step's `blocks` (consecutive, tokens from `start`) into the online
@@ -167,13 +146,9 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         start, cols = (first + blocks[0]) * block, len(blocks) * block * kv_heads
         k = cat(k_refs, blocks).astype(dtype)  # [tokens * kv_heads, head_dim]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        v_row = None
         if quantized:
-            expand, kept = (ref[...] for ref in scale_refs)
-            k_row, v_row = _scale_rows(cat(ks_refs, blocks, 1), cat(vs_refs, blocks, 1), expand, kept)
-            s = s * (k_row * scale)
-        else:
-            s = s * scale
+            s = scale_columns(s, [ks_refs[i] for i in blocks])
+        s = s * scale
         s = s + bias_ref[:, :cols]  # other kv heads' columns masked
         if partial:  # column c holds position start + c // kv_heads
             col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -185,8 +160,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, 
         # each query head's kv head), so m_new is finite and a masked column's exp is 0.
         p = jnp.exp(s - m_new[:, :1])
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        if v_row is not None:
-            p = p * v_row
+        if quantized:
+            p = scale_columns(p, [vs_refs[i] for i in blocks])
         v = cat(v_refs, blocks).astype(dtype)
         pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
@@ -257,7 +232,7 @@ def decode_attention_blocks(
     table: Int[Array, "batch blocks_per_seq"],
     lengths: Int[Array, " batch"],
     *,
-    scales: tuple[Float[Array, "layers rows kv_heads row_tokens"], Float[Array, "layers rows kv_heads row_tokens"]]
+    scales: tuple[Float[Array, "layers rows 1 scale_rows 128"], Float[Array, "layers rows 1 scale_rows 128"]]
     | None = None,
     tokens_per_step: int = 512,
     interpret: bool | None = None,
@@ -276,10 +251,12 @@ def decode_attention_blocks(
     - `lengths`: sequence `b` attends to its keys `[0, lengths[b])` (clipped to at
       least 1 and at most the table's blocks: a finished row whose writes were dropped
       still reads something, and never past its table).
-    - `scales`: for int8 `k, v`, their float32 scales tokens-minor: block `i`'s are
-      `scales[:, i // n, :, (i % n) * block:][..., :block]` with
-      `n = row_tokens // block` (a page pool: one page per row; a dense cache: one
-      sequence per row).
+    - `scales`: for int8 `k, v`, their float32 scales in one group
+      (`eqx_tx.kernels.quantized`): block `i`'s are the `r = block * kv_heads / 128`
+      rows `scales[:, i // n, 0, (i % n) * r:][:, :r]`, `n` the blocks per entry of
+      the scales' second axis (a page pool's pages: `n = 1`; a dense cache's
+      sequences). Blocks not in whole rows (the interpreter's small
+      ones) are read as rows of `block * kv_heads` lanes.
     - `tokens_per_step`: each grid step reads this many tokens' blocks
       (`tokens_per_step // block`, at least one: each block one DMA, the step's
       fixed cost shared by them).
@@ -334,22 +311,26 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
     flat = k.reshape(k.shape[0], num_blocks, block * K, H), v.reshape(v.shape[0], num_blocks, block * K, H)
     operands = [q] + [flat[0]] * n + [flat[1]] * n
     if scales is not None:
-        per_row = scales[0].shape[-1] // block
+        L, seqs, groups, rows, lanes = scales[0].shape
+        width, per_row = block * K, num_blocks // seqs  # a block's scales; blocks per sequence (or page)
+        if groups != 1 or rows * lanes < per_row * width:
+            raise ValueError(f"int8 scales {scales[0].shape} are not one group of {K} kv heads holding {per_row} "
+                             f"blocks of {block} tokens per row (eqx_tx.kernels.quantized)")
+        if width % lanes:  # blocks not in whole rows (the interpreter's small ones): a row of `width` lanes each
+            lanes = width
+            scales = tuple(x.reshape(L, seqs, rows * x.shape[-1])[..., :per_row * width].reshape(
+                L, seqs, 1, per_row, width) for x in scales)
+        tile = width // lanes  # a block's rows of scales
 
         def scale_spec(i):
             def index(t, layer_ref, *refs):
                 at = block_id(t, i, *refs)
-                return layer_ref[0], at // per_row, 0, at % per_row
+                return layer_ref[0], at // per_row, 0, at % per_row, 0
 
-            return pl.BlockSpec((None, None, K, block), index)
+            return pl.BlockSpec((None, None, None, tile, lanes), index)
 
         in_specs += [scale_spec(i) for i in range(n)] * 2
         operands += [scales[0]] * n + [scales[1]] * n
-        sub = min(block, _LANES)
-        # a scale's bf16 parts in `_scale_rows` (`kept`'s rows): exact for float32
-        # matmuls (float32 queries), to 2^-16 for bf16 ones
-        parts = 3 if jnp.promote_types(q.dtype, jnp.bfloat16) == jnp.float32 else 2
-        scratch += [pltpu.VMEM((sub, sub * K), jnp.bfloat16), pltpu.VMEM((2 * parts * K, sub * K), jnp.float32)]
     # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
     # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
     steps = ceil_div(ceil_div(lengths, block), n)  # [B]; 0 without keys
@@ -404,7 +385,7 @@ def decode_attention_dense(
     layer: Int[Array, ""],
     lengths: Int[Array, " batch"],
     *,
-    scales: tuple[Float[Array, "layers batch kv_heads max_len"], Float[Array, "layers batch kv_heads max_len"]]
+    scales: tuple[Float[Array, "layers batch 1 scale_rows 128"], Float[Array, "layers batch 1 scale_rows 128"]]
     | None = None,
     block: int = DENSE_BLOCK,
     tokens_per_step: int = 512,
@@ -417,7 +398,7 @@ def decode_attention_dense(
     read as one of its exact size would be.
 
     `scales`, `tokens_per_step`, `interpret`: as for `decode_attention_blocks` (a
-    dense cache's scales, tokens-minor, are already one sequence per row).
+    dense cache's scales are already one sequence per row).
     """
     out, _ = _dense(q, k, v, layer, lengths, scales, None, block=block, tokens_per_step=tokens_per_step,
                     with_lse=False, interpret=interpret)
@@ -431,7 +412,7 @@ def decode_attention_dense_with_lse(
     layer: Int[Array, ""],
     lengths: Int[Array, " batch"],
     *,
-    scales: tuple[Float[Array, "layers rows kv_heads max_len"], Float[Array, "layers rows kv_heads max_len"]]
+    scales: tuple[Float[Array, "layers rows 1 scale_rows 128"], Float[Array, "layers rows 1 scale_rows 128"]]
     | None = None,
     rows: Int[Array, " batch"] | None = None,
     block: int = DENSE_BLOCK,
@@ -458,7 +439,7 @@ def decode_attention_shared_with_lse(
     lengths: Int[Array, " rows"],
     *,
     samples: int,
-    scales: tuple[Float[Array, "layers rows kv_heads max_len"], Float[Array, "layers rows kv_heads max_len"]]
+    scales: tuple[Float[Array, "layers rows 1 scale_rows 128"], Float[Array, "layers rows 1 scale_rows 128"]]
     | None = None,
     max_query_rows: int = 128,
     block: int = DENSE_BLOCK,
@@ -499,7 +480,7 @@ def decode_attention_blocks_shared(
     lengths: Int[Array, " batch"],
     *,
     rows: int,
-    scales: tuple[Float[Array, "layers rows kv_heads row_tokens"], Float[Array, "layers rows kv_heads row_tokens"]]
+    scales: tuple[Float[Array, "layers rows 1 scale_rows 128"], Float[Array, "layers rows 1 scale_rows 128"]]
     | None = None,
     tokens_per_step: int = 512,
     interpret: bool | None = None,

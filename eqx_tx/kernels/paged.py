@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from .flash import online_softmax_step
 from .mask import visible
-from .quantized import Quantized, as_values
+from .quantized import Quantized, as_values, scales_by_token
 
 
 def paged_attention(
@@ -35,8 +35,8 @@ def paged_attention(
 
     - `q`: queries at `q_positions` (RoPE applied).
     - `pool_k`, `pool_v`: `[layers, pages, page_size, kv_heads, head_dim]` (or
-      int8 values in a `Quantized` whose scales keep the pool's tokens-minor layout,
-      `[layers, pages, kv_heads, page_size]`; or bf16 stored as `BITS`: only the
+      int8 values in a `Quantized` whose scales keep the pool's layout, `[layers,
+      pages, groups, rows, lanes]` (`eqx_tx.kernels.quantized`); or bf16 stored as `BITS`: only the
       pages gathered are viewed as bf16).
     - `layer`: the layer to read.
     - `page_table`: each sequence's pages; entries past its length are never read
@@ -62,7 +62,8 @@ def paged_attention(
     def load(pool, pages):
         """`[B, S, K, H]` keys or values of `pages [B, bp]` in layer `layer`, in q's dtype."""
         if isinstance(pool, Quantized):
-            x = Quantized(pool.values[layer, pages], jnp.swapaxes(pool.scale[layer, pages], -1, -2)).dequantize(q.dtype)
+            x = Quantized(pool.values[layer, pages], scales_by_token(pool.scale[layer, pages], page_size, K))
+            x = x.dequantize(q.dtype)
         else:
             x = as_values(pool[layer, pages]).astype(q.dtype)
         return x.reshape(B, S, K, H)

@@ -16,7 +16,7 @@ from eqx_tx.kernels.decode_tpu import (
     decode_attention_shared_with_lse,
     dense_block,
 )
-from eqx_tx.kernels.quantized import Quantized
+from eqx_tx.kernels.quantized import Quantized, scales_by_token, stored_scales
 from tests.hf_utils import make_hf_checkpoint
 
 
@@ -94,10 +94,10 @@ def test_rows_without_a_block_in_the_pool_read_nothing_and_give_zeros():
 
 
 def _quantized(x):
-    """int8 values and tokens-minor scales (`[..., kv_heads, tokens]`, as the caches
-    store them) of `x [..., tokens, kv_heads, head_dim]`, and `x` as they give it back."""
+    """int8 values and scales (as the caches store them) of `x [..., tokens, kv_heads,
+    head_dim]`, and `x` as they give it back."""
     q = Quantized.quantize(jnp.asarray(x))
-    return q.values, jnp.swapaxes(q.scale, -1, -2), np.asarray(q.dequantize(jnp.float32))
+    return q.values, stored_scales(q.scale), np.asarray(q.dequantize(jnp.float32))
 
 
 def _as(x, dtype):
@@ -119,10 +119,10 @@ def _stored(k, v, int8: bool):
 @pytest.mark.parametrize("paged", [False, True])
 def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, tokens_per_step, q_dtype):
     """int8 keys/values with scales per (token, kv head): the kernel equals attention
-    over the dequantized cache, read in place (dense, blocks of 256 and of 128 split
-    into two lane tiles) and through a shuffled page table (pages of 128, 2 query
-    heads per kv head), one or more blocks per grid step. float32 queries take float32
-    matmuls and exact scales; bf16 ones bf16 matmuls, each scale to 2^-16."""
+    over the dequantized cache, read in place (dense, blocks of 256: 16 rows of
+    scales) and through a shuffled page table (pages of 128: 8 rows, 2 query heads per
+    kv head), one or more blocks per grid step. float32 queries take float32 matmuls;
+    bf16 ones bf16 matmuls; the scales are applied in float32 either way."""
     rng = np.random.default_rng(2)
     K, H, N = 8, 128, 16
     if paged:
@@ -151,26 +151,48 @@ def test_int8_cache_equals_the_reference_over_its_dequantized_values(paged, toke
     np.testing.assert_allclose(np.asarray(out, np.float32), want, **tol)
 
 
-@pytest.mark.parametrize("parts,bound", [(3, 0.0), (2, 2.0**-16)])
-def test_scale_rows_place_each_scale_on_its_columns_to_its_parts_precision(parts, bound):
-    """`_scale_rows` puts scale `[h, t]` on column `t * kv_heads + h` through a bf16
-    matmul: exactly with 3 bf16 parts, within 2^-16 (relative) with 2, where one part
-    (bf16 rounding, up to 2^-8) would not be."""
-    from eqx_tx.kernels.decode_tpu import _scale_rows
+@pytest.mark.parametrize("paged", [False, True])
+def test_int8_scales_in_short_rows_equal_the_reference_in_the_interpreter(paged):
+    """3 kv heads (42 tokens to a row of 126 scales) read in blocks of 16 tokens, whose
+    scales are no whole rows: from pages of 16 (one short row each) and from a dense
+    cache of 96 (rows of 42 tokens); the interpreter reads them as rows of 48."""
+    rng = np.random.default_rng(7)
+    K, H, N, blocks = 3, 16, 6, 6
+    if paged:
+        k, v = (rng.standard_normal((1, blocks, 16, K, H)).astype(np.float32) for _ in range(2))
+    else:
+        k, v = (rng.standard_normal((1, 2, 48, K, H)).astype(np.float32) for _ in range(2))
+    (kq, ks, kd), (vq, vs, vd) = _quantized(k), _quantized(v)
+    assert ks.shape == ((1, blocks, 1, 1, 48) if paged else (1, 2, 1, 2, 126))
+    q = rng.standard_normal((2, N, H)).astype(np.float32)
+    lengths = np.array([45, 20])
+    if paged:
+        table = np.array([[4, 0, 2], [5, 1, 3]])
+        out = decode_attention_blocks(jnp.asarray(q), kq, vq, jnp.asarray(0), jnp.asarray(table), jnp.asarray(lengths),
+                                      scales=(ks, vs), tokens_per_step=32, interpret=True)
+        kd, vd = (np.stack([x[0, row].reshape(-1, K, H) for row in table]) for x in (kd, vd))
+    else:
+        out = decode_attention_dense(jnp.asarray(q[:, None]), kq, vq, jnp.asarray(0), jnp.asarray(lengths),
+                                     scales=(ks, vs), block=16, tokens_per_step=32, interpret=True)[:, 0]
+        kd, vd = kd[0], vd[0]
+    np.testing.assert_allclose(np.asarray(out), _reference(q, kd, vd, lengths), atol=1e-5)
+
+
+def test_scale_columns_put_each_stored_scale_on_its_score_column():
+    """A block's score column `t * kv_heads + h` is multiplied by the scale of token `t`,
+    head `h`, read from the block's rows of the stored layout (4 blocks of 128 tokens);
+    the layout is `scales_by_token`'s inverse."""
+    from eqx_tx.kernels.decode_tpu import scale_columns
 
     rng = np.random.default_rng(5)
-    K, block, sub = 8, 256, 128
-    ks, vs = (rng.uniform(1e-4, 3e-2, (K, block)).astype(np.float32) for _ in range(2))
-    expand = (np.arange(sub * K)[None, :] // K == np.arange(sub)[:, None]).astype(jnp.bfloat16)
-    kept = (np.arange(2 * parts * K)[:, None] % K == np.arange(sub * K)[None, :] % K).astype(np.float32)
-    k_row, v_row = _scale_rows(jnp.asarray(ks), jnp.asarray(vs), jnp.asarray(expand), jnp.asarray(kept))
-    for row, want in ((k_row, ks), (v_row, vs)):
-        want = want.T.reshape(1, block * K)  # column t * K + h
-        error = np.max(np.abs(np.asarray(row) - want) / want)
-        assert error <= bound, (parts, error)
-    if parts == 2:
-        one = jnp.asarray(ks).astype(jnp.bfloat16).astype(jnp.float32)
-        assert np.max(np.abs(np.asarray(one) - ks) / ks) > bound  # the bound is not vacuous
+    K, block, blocks = 8, 128, 4
+    scales = rng.uniform(1e-4, 3e-2, (blocks * block, K)).astype(np.float32)
+    stored = stored_scales(jnp.asarray(scales))[0]  # [rows, 128]
+    np.testing.assert_array_equal(np.asarray(scales_by_token(stored[None], blocks * block, K)), scales)
+    x = rng.standard_normal((16, blocks * block * K)).astype(np.float32)
+    tile = block * K // 128
+    out = scale_columns(jnp.asarray(x), [stored[i * tile:(i + 1) * tile] for i in range(blocks)])
+    np.testing.assert_array_equal(np.asarray(out), x * scales.reshape(1, -1))
 
 
 def test_dense_block_divides_the_cache():
@@ -193,7 +215,7 @@ def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
         choice = _choose(**kw)
         assert choice.backend != "decode_tpu" and (why in choice.reason or kw.get("q", (0, 1))[1] != 1), choice
     assert _choose(cache="int8").backend == "decode_tpu"  # 1024 slots: blocks of 512
-    # int8 scales are read [kv_heads, block]: a block of 64 tokens is not a whole lane tile.
+    # int8 scales are read in tiles of [8, 128]: a block of 64 tokens of 8 kv heads is half a tile.
     choice = _choose(cache="int8", k=(64, 1088, 8, 128))
     assert choice.backend == "blockwise" and "blocks of 64 tokens" in choice.reason, choice
     assert _choose(q=(64, 4, 16, 128), attention="decode_tpu").backend == "xla"  # not decoding: as under auto
@@ -203,7 +225,7 @@ def test_auto_takes_the_decode_kernel_on_a_tpu_where_it_can_run(monkeypatch):
     assert _choose(cache="paged_int8", page_size=128).backend == "decode_tpu"
     choice = _choose(cache="paged_int8", page_size=16)
     assert choice.backend == "paged" and "blocks of 16 tokens" in choice.reason, choice
-    with pytest.raises(ValueError, match="'decode_tpu' cannot run: int8 scales read in blocks of 16"):
+    with pytest.raises(ValueError, match="'decode_tpu' cannot run: int8 scales of 8 kv heads read in blocks of 16"):
         _choose(cache="paged_int8", page_size=16, attention="decode_tpu")
     # A shared prompt's samples: both parts in place under auto, where the int8 blocks of both parts are whole.
     assert _choose(cache="shared_prefix").backend == "decode_tpu"
@@ -459,7 +481,7 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
     S = jax.ShapeDtypeStruct
     q, layer, table, lengths = S((B, N, H), jnp.bfloat16), S((), jnp.int32), S((B, 8), jnp.int32), S((B,), jnp.int32)
     pool, pool8, scale = S((L, pages, page, K, H), jnp.bfloat16), S((L, pages, page, K, H), jnp.int8), S(
-        (L, pages, K, page), jnp.float32)
+        (L, pages, 1, page * K // 128, 128), jnp.float32)
     dense, q1 = S((L, B, 1024, K, H), jnp.bfloat16), S((B, 1, N, H), jnp.bfloat16)
     forms = {
         "paged": (lambda *a: decode_attention_blocks(*a, interpret=False), (q, pool, pool, layer, table, lengths)),
