@@ -470,7 +470,7 @@ def test_tokens_per_step_below_one_is_refused_by_name(name):
 
 def test_the_kernels_lower_for_a_tpu(monkeypatch):
     """Every form of the kernel (a page pool bf16 and int8, runs of shared pages, a dense
-    cache, a shared prompt's groups) lowers through Pallas's Mosaic rules for a TPU v5e,
+    cache bf16 and int8, a shared prompt's groups) lowers through Pallas's Mosaic rules for a TPU v5e,
     here without one: what the interpreter accepts but Mosaic cannot express fails here,
     before a device session (Mosaic's own compilation still needs the chip)."""
     from jax._src.pallas.mosaic import tpu_info
@@ -483,6 +483,7 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
     pool, pool8, scale = S((L, pages, page, K, H), jnp.bfloat16), S((L, pages, page, K, H), jnp.int8), S(
         (L, pages, 1, page * K // 128, 128), jnp.float32)
     dense, q1 = S((L, B, 1024, K, H), jnp.bfloat16), S((B, 1, N, H), jnp.bfloat16)
+    dense8, dense_scale = S(dense.shape, jnp.int8), S((L, B, 1, 1024 * K // 128, 128), jnp.float32)
     forms = {
         "paged": (lambda *a: decode_attention_blocks(*a, interpret=False), (q, pool, pool, layer, table, lengths)),
         "paged int8": (lambda *a: decode_attention_blocks(*a[:6], scales=a[6:], interpret=False),
@@ -490,6 +491,8 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
         "runs": (lambda *a: decode_attention_blocks_shared(*a, rows=8, interpret=False),
                  (q, pool, pool, layer, table, lengths)),
         "dense": (lambda *a: decode_attention_dense(*a, interpret=False), (q1, dense, dense, layer, lengths)),
+        "dense int8": (lambda *a: decode_attention_dense(*a[:5], scales=a[5:], interpret=False),
+                       (q1, dense8, dense8, layer, lengths, dense_scale, dense_scale)),
         "shared prompt": (lambda *a: decode_attention_shared_with_lse(*a, samples=8, interpret=False),
                           (q1, S((L, 1, 1024, K, H), jnp.bfloat16), S((L, 1, 1024, K, H), jnp.bfloat16), layer,
                            S((1,), jnp.int32))),
