@@ -128,7 +128,7 @@ def put_scales(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Arra
     `lead`: indices into `scales`' leading axes, broadcast to `positions`' shape."""
     row, lane, heads = _row_lane(scales, positions, x.shape[-1])
     n_lead, groups = len(lead), scales.shape[-3]
-    index = [jnp.broadcast_to(i, positions.shape).astype(jnp.int32) for i in lead] + [row, lane]
+    index = [jnp.broadcast_to(i, positions.shape) for i in lead] + [row, lane]
     indices = jnp.stack([i.astype(jnp.int32).reshape(-1) for i in index], axis=-1)
     updates = x.reshape(-1, groups, heads).astype(scales.dtype)
     numbers = jax.lax.ScatterDimensionNumbers(

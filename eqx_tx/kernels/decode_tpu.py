@@ -57,6 +57,7 @@ from ..core.compute import ComputeConfig
 from ..core.log import log_once
 from ..core.util import ceil_div
 from .flash import merge_partials
+from .quantized import SCALE_LANES
 
 _MASKED = -1e30
 
@@ -69,11 +70,12 @@ def decode_tpu_reason(*, head_dim: int, kv_heads: int, heads: int, dtype, int8_b
     """Why Mosaic cannot compile the kernel for these shapes on a TPU (`None` if it
     can; Pallas's interpreter takes any). `int8_block`: an int8 cache read in blocks
     of this many tokens (whole `[8, 128]` tiles of its scales per block)."""
-    if int8_block is not None and (int8_block * kv_heads) % (8 * _LANES):
+    if int8_block is not None and (int8_block * kv_heads) % (8 * SCALE_LANES):
         return (f"int8 scales of {kv_heads} kv heads read in blocks of {int8_block} tokens (not a multiple of "
-                f"{8 * _LANES} scales: whole tiles of 8 rows of {_LANES})")
-    if int8_block is not None and _LANES % kv_heads:
-        return f"int8 scales of {kv_heads} kv heads (not a divisor of {_LANES}: a token's would straddle two rows)"
+                f"{8 * SCALE_LANES} scales: whole tiles of 8 rows of {SCALE_LANES})")
+    if int8_block is not None and SCALE_LANES % kv_heads:
+        return (f"int8 scales of {kv_heads} kv heads (not a divisor of {SCALE_LANES}: a token's would straddle "
+                "two rows)")
     if head_dim % 128:
         return f"head_dim {head_dim} is not a multiple of 128"
     if kv_heads % 8:
