@@ -98,7 +98,7 @@ def scale_columns(x: Float[Array, "rows cols"], tiles: Sequence) -> Float[Array,
     return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
+def _kernel(layer_ref, lengths_ref, ids_ref, row_ref, step_ref, q_ref, *rest, step_blocks: int, block: int,
             kv_heads: int, group: int, scale: float, quantized: bool, concatenate: bool, with_lse: bool,
             aliased: bool):
     # The step's `step_blocks` key blocks, then as many value blocks; int8: as many key
@@ -286,13 +286,24 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         lengths = jnp.where(table[:, 0] < num_blocks, lengths, 0)
     table = jnp.clip(table, 0, num_blocks - 1).reshape(-1).astype(jnp.int32)
 
-    def block_id(t, i, lengths_ref, table_ref, row_ref, step_ref):
-        """The block operand `i` reads at grid step `t` (see `_first_slot`)."""
-        b = row_ref[t]
-        blocks = jnp.maximum(ceil_div(lengths_ref[b], block), 1)
-        slot = _first_slot(blocks, step_ref[t], step_blocks=n) + i
-        slot = jnp.where(slot < 0, slot + n, slot)
-        return table_ref[b * P + jnp.clip(slot, 0, blocks - 1)]
+    # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
+    # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
+    # Grid step t reads blocks `ids[t * n:(t + 1) * n]` (see `_first_slot`), found here
+    # for every step at once: an operand's index map, which the pipeline evaluates for
+    # each operand at each step (int8: 4n operands), is one scalar load.
+    steps = ceil_div(ceil_div(lengths, block), n)  # [B]; 0 without keys
+    ends = jnp.cumsum(steps)
+    at = jnp.arange(B * ceil_div(P, n), dtype=jnp.int32)
+    row_of = jnp.minimum(jnp.searchsorted(ends, at, side="right", method="scan_unrolled"), B - 1).astype(jnp.int32)
+    step_of = (at - ends[row_of] + steps[row_of]).astype(jnp.int32)
+    seq_blocks = jnp.maximum(ceil_div(lengths[row_of], block), 1)[:, None]
+    slot = _first_slot(seq_blocks, step_of[:, None], step_blocks=n) + jnp.arange(n)[None, :]
+    slot = jnp.clip(jnp.where(slot < 0, slot + n, slot), 0, seq_blocks - 1)
+    ids = table[row_of[:, None] * P + slot].reshape(-1)
+
+    def block_id(t, i, lengths_ref, ids_ref, row_ref, step_ref):
+        """The block operand `i` reads at grid step `t`."""
+        return ids_ref[t * n + i]
 
     def kv_spec(i):
         def index(t, layer_ref, *refs):
@@ -301,7 +312,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         return pl.BlockSpec((None, None, block * K, H), index)
 
     def row_spec(last):  # sequence b's own block
-        return pl.BlockSpec((None, N, last), lambda t, layer_ref, lengths_ref, table_ref, row_ref, step_ref: (
+        return pl.BlockSpec((None, N, last), lambda t, layer_ref, lengths_ref, ids_ref, row_ref, step_ref: (
             row_ref[t], 0, 0))
 
     q_spec = row_spec(H)
@@ -333,13 +344,6 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
 
         in_specs += [scale_spec(i) for i in range(n)] * 2
         operands += [scales[0]] * n + [scales[1]] * n
-    # One grid axis over every sequence's own steps (a dynamic bound): a short sequence
-    # beside a long one costs its own steps, not the longest's (long-tailed RL batches).
-    steps = ceil_div(ceil_div(lengths, block), n)  # [B]; 0 without keys
-    ends = jnp.cumsum(steps)
-    at = jnp.arange(B * ceil_div(P, n), dtype=jnp.int32)
-    row_of = jnp.minimum(jnp.searchsorted(ends, at, side="right", method="scan_unrolled"), B - 1).astype(jnp.int32)
-    step_of = (at - ends[row_of] + steps[row_of]).astype(jnp.int32)
     out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_lse:  # [batch, heads, lanes], every lane the same (a whole tile per row)
         out_specs.append(row_spec(_LANES))
@@ -367,7 +371,7 @@ def _blocks(q, k, v, layer, table, lengths, scales, *, tokens_per_step: int, wit
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
         name="decode_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, table, row_of, step_of, *operands)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, ids, row_of, step_of, *operands)
     return outs[0], (outs[1] if with_lse else None)
 
 
