@@ -99,3 +99,74 @@ def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
         per_write = (B, 3) if seq >= WINDOW_TOKENS else (B, seq, 3)
         per_scale = (B, 3) if seq >= WINDOW_TOKENS else (B * seq, 4)  # (index, row, scale row(, lane))
         assert indices == [per_write] * 2 + ([per_scale] * 2 if dtype == "int8" else []), indices
+
+
+def _scale_oracle(shape, writes):
+    """Scales `[rows, tokens, kv_heads]` after `writes` of `(row, position, scale)`
+    (a position out of range: dropped), as a plain array."""
+    want = np.zeros(shape, np.float32)
+    for row, position, scale in writes:
+        if 0 <= position < shape[1]:
+            want[row, position] = scale
+    return want
+
+
+def test_a_decode_step_writes_each_rows_scales_whole_and_keeps_its_neighbours():
+    """Decoded tokens (one per sequence) in an int8 dense cache: each token's scales
+    land at its position, its row's earlier tokens (in the same row of 128 lanes) kept,
+    a token past the end dropped; one row-wide window per sequence, not per head."""
+    rng = np.random.default_rng(3)
+    B, L, K, D = 3, 200, 2, 32  # 64 tokens to a row of scales: rows 0..3
+    starts = np.asarray([0, 61, 197])  # row 1 crosses a row boundary; row 2 runs past the end
+    cache, writes = new_cache(_Shape(), B, L, "int8"), {"k": [], "v": []}
+    for t in range(5):
+        positions = jnp.asarray(starts[:, None] + t)
+        k_new, v_new = _new(rng, B, 1, K, D), _new(rng, B, 1, K, D)
+        cache = cache.write(jnp.asarray(1), k_new, v_new, positions)
+        for name, new in (("k", k_new), ("v", v_new)):
+            scale = np.asarray(Quantized.quantize(new).scale)
+            writes[name] += [(b, starts[b] + t, scale[b, 0]) for b in range(B)]
+    for name, scales in (("k", cache.k_scale), ("v", cache.v_scale)):
+        np.testing.assert_array_equal(np.asarray(scales_by_token(scales[1], L, K)),
+                                      _scale_oracle((B, L, K), writes[name]))
+        assert not np.asarray(scales[0]).any()
+    jaxpr = jax.make_jaxpr(lambda c: c.write(jnp.asarray(1), k_new, v_new, positions))(cache)
+    updates = [e.invars[2].aval.shape for e in jaxpr.eqns
+               if e.primitive.name == "scatter" and e.invars[0].aval.shape == cache.k_scale.shape]
+    groups, lanes = cache.k_scale.shape[2], cache.k_scale.shape[-1]
+    assert updates == [(B, groups, lanes)] * 2, updates  # a whole row of scales per sequence
+
+
+def test_a_paged_int8_pool_takes_decode_rows_and_mixed_steps():
+    """An int8 page pool written by decode steps (one token per sequence, a padding row
+    unallocated) and by a mixed step (a prefill chunk and decode rows laid out as one
+    row, `RowGroups`): every token's scales where its page table puts it."""
+    rng = np.random.default_rng(4)
+    pages, page_size, K, D = 8, 64, 2, 32
+    table = jnp.asarray([[5, 2, 8], [1, 0, 8], [8, 8, 8]])  # 8: unallocated (row 2: padding)
+    cache = new_paged_cache(_Shape(), pages=pages, page_size=page_size, batch=3, pages_per_seq=3,
+                            dtype="int8").with_table(table)
+    writes = {"k": [], "v": []}
+
+    def record(positions, rows_of_table, k_new, v_new):
+        for name, new in (("k", k_new), ("v", v_new)):
+            scale = np.asarray(Quantized.quantize(new).scale).reshape(-1, K)
+            for (r, p), s in zip(zip(rows_of_table, positions), scale):
+                page = int(table[r, p // page_size]) if p // page_size < 3 else pages
+                if page < pages:
+                    writes[name].append((page, p % page_size, s))
+
+    for t in range(3):  # decode steps; row 0 crosses from its first page to its second
+        positions = jnp.asarray([[62 + t], [10 + t], [0]])
+        k_new, v_new = _new(rng, 3, 1, K, D), _new(rng, 3, 1, K, D)
+        cache = cache.write(jnp.asarray(1), k_new, v_new, positions)
+        record([62 + t, 10 + t, 0], [0, 1, 2], k_new, v_new)
+    groups = ((1, 4), (2, 1))  # row 1's next 4 tokens, then rows 0 and 2 decode
+    mixed = cache.with_table(jnp.asarray(table)[jnp.asarray([1, 0, 2])], groups)
+    positions = jnp.asarray([[13, 14, 15, 16, 65, 0]])
+    k_new, v_new = _new(rng, 1, 6, K, D), _new(rng, 1, 6, K, D)
+    cache = mixed.write(jnp.asarray(1), k_new, v_new, positions)
+    record([13, 14, 15, 16, 65, 0], [1, 1, 1, 1, 0, 2], k_new, v_new)
+    for name, scales in (("k", cache.k_scale), ("v", cache.v_scale)):
+        np.testing.assert_array_equal(np.asarray(scales_by_token(scales[1], page_size, K)),
+                                      _scale_oracle((pages, page_size, K), writes[name]))

@@ -34,7 +34,7 @@ from ..kernels.mask import AttentionMask
 from ..kernels.paged import paged_attention
 from ..kernels.quantized import Quantized
 from .base import AbstractCache
-from .storage import KVStorage, put_scales, store_kv, zero_kv
+from .storage import KVStorage, put_scale_rows, put_scales, store_kv, zero_kv
 
 POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
 POOL_SCALE_AXES = ("layers", "cache_pages", "cache_kv_heads", "cache_seq", None)
@@ -121,7 +121,8 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         (positions outside its allocated pages: dropped). With `groups`, every group's
         tokens in one scatter."""
         if self.groups is None:
-            page, offset = _slots(self.page_table, positions, self.page_size, self.num_pages)
+            slots = [_slots(self.page_table, positions, self.page_size, self.num_pages)]
+            page, offset = slots[0]
         else:
             slots = [_slots(table, pos, self.page_size, self.num_pages) for table, pos in
                      zip(split_rows(self.page_table, self.groups), split_tokens(positions, self.groups))]
@@ -130,8 +131,14 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         def put(buf, x):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
 
-        def put_scale(buf, x):
-            return put_scales(buf, (index, page), offset, x)
+        def put_scale(buf, x):  # group by group: a decode group's rows of scales written whole
+            parts = [x] if self.groups is None else split_tokens(x, self.groups)
+            for (page_g, offset_g), x_g in zip(slots, parts):
+                if x_g.shape[:2] == (1, 1) or x_g.shape[1] > 1:
+                    buf = put_scales(buf, (index, page_g), offset_g, x_g)
+                else:  # one token per sequence, each in its own page
+                    buf = put_scale_rows(buf, (index, page_g[:, 0]), offset_g[:, 0], x_g[:, 0])
+            return buf
 
         return store_kv(self, put, put_scale, k_new, v_new)
 

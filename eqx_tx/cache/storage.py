@@ -9,7 +9,7 @@ Keys/values are `[..., tokens, kv_heads, head_dim]`; their scales are stored
 (`eqx_tx.kernels.quantized` gives the layout): what the TPU decode kernel reads, a
 row per 128 of its score columns (`eqx_tx.kernels.decode_tpu`). `KVStorage.pair`
 hands them out as `Quantized` (`[..., tokens, kv_heads]`) all the same;
-`put_scales` and `put_scale_windows` write them.
+`put_scales`, `put_scale_rows` and `put_scale_windows` write them.
 
 On XLA:CPU a bf16 cache is stored as its uint16 bit patterns (`storage_dtype`):
 XLA:CPU has no bf16 arithmetic, and a scatter into a bf16 buffer (or a read of a few
@@ -135,6 +135,24 @@ def put_scales(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Arra
         update_window_dims=(1, 2), inserted_window_dims=(*range(n_lead), n_lead + 1),
         scatter_dims_to_operand_dims=(*range(n_lead), n_lead + 1, n_lead + 2))
     return jax.lax.scatter(scales, indices, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Array, ...],
+                   positions: Int[Array, " tokens"], x: Float[Array, "tokens kv_heads"]) -> Array:
+    """`put_scales` for tokens that each own their row of scales (one decoded token per
+    sequence: no two write the same row): each row read, the token's heads placed in
+    it, and written back whole, a window of every lane, instead of a window of
+    `kv_heads` lanes at a lane offset known only at run time."""
+    row, lane, heads = _row_lane(scales, positions, x.shape[-1])
+    groups, rows, lanes = scales.shape[-3:]
+    index = tuple(jnp.broadcast_to(i, positions.shape).astype(jnp.int32) for i in lead)
+    at = (*index, slice(None), jnp.clip(row, 0, rows - 1))
+    old = scales[at]  # [tokens, groups, lanes]
+    col = jnp.arange(lanes)[None, None, :] - lane[:, None, None]
+    placed = jnp.take_along_axis(x.reshape(-1, groups, heads).astype(scales.dtype),
+                                 jnp.broadcast_to(jnp.clip(col, 0, heads - 1), old.shape), axis=-1)
+    new = jnp.where((col >= 0) & (col < heads), placed, old)
+    return scales.at[(*index, slice(None), row)].set(new, mode="drop")
 
 
 def put_scale_windows(scales: Float[Array, "layers batch groups rows lanes"], index: Int[Array, ""],
