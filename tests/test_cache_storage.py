@@ -65,7 +65,8 @@ def test_a_paged_bf16_pool_is_written_and_read_without_converting_the_whole_pool
 def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
     """A chunk's rows land at their positions (a row wholly past the end: dropped) in
     every storage (float32, bf16 bits, int8 values with their scales in rows of 128): token by
-    token below `WINDOW_TOKENS`, else as one scatter of a window per row."""
+    token below `WINDOW_TOKENS` (int8 scales: whole rows of 128 lanes), else as one scatter
+    of a window per row."""
     rng = np.random.default_rng(2)
     B, L, K, D = 3, 3 * seq, 2, 32
     starts = np.asarray([0, L - seq - 1, L])  # the third row is wholly outside the cache
@@ -97,7 +98,8 @@ def test_a_dense_cache_writes_a_chunk_per_token_or_per_row(seq):
         indices = [e.invars[1].aval.shape for e in jaxpr.eqns
                    if e.primitive.name == "scatter" and e.invars[0].aval.shape in buffers]  # into the cache
         per_write = (B, 3) if seq >= WINDOW_TOKENS else (B, seq, 3)
-        per_scale = (B, 3) if seq >= WINDOW_TOKENS else (B * seq, 4)  # (index, row, scale row(, lane))
+        # (index, row, scale row): a window per row, or per row of scales a run of 5 can touch (2)
+        per_scale = (B, 3) if seq >= WINDOW_TOKENS else (B, 2, 3)
         assert indices == [per_write] * 2 + ([per_scale] * 2 if dtype == "int8" else []), indices
 
 
@@ -111,13 +113,15 @@ def _scale_oracle(shape, writes):
     return want
 
 
-def test_a_decode_step_writes_each_rows_scales_whole_and_keeps_its_neighbours():
-    """Decoded tokens (one per sequence) in an int8 dense cache: each token's scales
-    land at its position, its row's earlier tokens (in the same row of 128 lanes) kept,
-    a token past the end dropped; one row-wide window per sequence, not per head."""
+@pytest.mark.parametrize("L", [200, 256])  # rows of 64 tokens: the last one short, or all whole
+def test_a_decode_step_writes_each_rows_scales_whole_and_keeps_its_neighbours(L):
+    """Decoded tokens (one per sequence), then a short chunk per sequence, in an int8
+    dense cache: each token's scales land at its position, its row's other tokens (in
+    the same row of 128 lanes) kept, a token past the end dropped; one row-wide window
+    per token, not a window of its heads."""
     rng = np.random.default_rng(3)
-    B, L, K, D = 3, 200, 2, 32  # 64 tokens to a row of scales: rows 0..3
-    starts = np.asarray([0, 61, 197])  # row 1 crosses a row boundary; row 2 runs past the end
+    B, K, D = 3, 2, 32  # 64 tokens to a row of scales: rows 0..3
+    starts = np.asarray([0, 61, L - 3])  # row 1 crosses a row boundary; row 2 runs past the end
     cache, writes = new_cache(_Shape(), B, L, "int8"), {"k": [], "v": []}
     for t in range(5):
         positions = jnp.asarray(starts[:, None] + t)
@@ -126,6 +130,12 @@ def test_a_decode_step_writes_each_rows_scales_whole_and_keeps_its_neighbours():
         for name, new in (("k", k_new), ("v", v_new)):
             scale = np.asarray(Quantized.quantize(new).scale)
             writes[name] += [(b, starts[b] + t, scale[b, 0]) for b in range(B)]
+    chunk = jnp.asarray([[60], [120], [L - 6]]) + jnp.arange(6)  # row 0 crosses into scale row 1
+    k_chunk, v_chunk = _new(rng, B, 6, K, D), _new(rng, B, 6, K, D)
+    cache = cache.write(jnp.asarray(1), k_chunk, v_chunk, chunk)
+    for name, new in (("k", k_chunk), ("v", v_chunk)):
+        scale = np.asarray(Quantized.quantize(new).scale)
+        writes[name] += [(b, int(chunk[b, t]), scale[b, t]) for b in range(B) for t in range(6)]
     for name, scales in (("k", cache.k_scale), ("v", cache.v_scale)):
         np.testing.assert_array_equal(np.asarray(scales_by_token(scales[1], L, K)),
                                       _scale_oracle((B, L, K), writes[name]))
@@ -134,7 +144,7 @@ def test_a_decode_step_writes_each_rows_scales_whole_and_keeps_its_neighbours():
     updates = [e.invars[2].aval.shape for e in jaxpr.eqns
                if e.primitive.name == "scatter" and e.invars[0].aval.shape == cache.k_scale.shape]
     groups, lanes = cache.k_scale.shape[2], cache.k_scale.shape[-1]
-    assert updates == [(B, groups, lanes)] * 2, updates  # a whole row of scales per sequence
+    assert updates == [(B, 1, groups, lanes)] * 2, updates  # a whole row of scales per sequence
 
 
 def test_a_paged_int8_pool_takes_decode_rows_and_mixed_steps():
@@ -161,12 +171,12 @@ def test_a_paged_int8_pool_takes_decode_rows_and_mixed_steps():
         k_new, v_new = _new(rng, 3, 1, K, D), _new(rng, 3, 1, K, D)
         cache = cache.write(jnp.asarray(1), k_new, v_new, positions)
         record([62 + t, 10 + t, 0], [0, 1, 2], k_new, v_new)
-    groups = ((1, 4), (2, 1))  # row 1's next 4 tokens, then rows 0 and 2 decode
+    groups = ((1, 4), (2, 1))  # 4 tokens of row 1, across its pages 1 and 0; then rows 0 and 2 decode
     mixed = cache.with_table(jnp.asarray(table)[jnp.asarray([1, 0, 2])], groups)
-    positions = jnp.asarray([[13, 14, 15, 16, 65, 0]])
+    positions = jnp.asarray([[62, 63, 64, 65, 65, 0]])
     k_new, v_new = _new(rng, 1, 6, K, D), _new(rng, 1, 6, K, D)
     cache = mixed.write(jnp.asarray(1), k_new, v_new, positions)
-    record([13, 14, 15, 16, 65, 0], [1, 1, 1, 1, 0, 2], k_new, v_new)
+    record([62, 63, 64, 65, 65, 0], [1, 1, 1, 1, 0, 2], k_new, v_new)
     for name, scales in (("k", cache.k_scale), ("v", cache.v_scale)):
         np.testing.assert_array_equal(np.asarray(scales_by_token(scales[1], page_size, K)),
                                       _scale_oracle((pages, page_size, K), writes[name]))

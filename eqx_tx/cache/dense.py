@@ -24,7 +24,7 @@ from ..kernels.mask import AttentionMask
 from ..kernels.quantized import Quantized
 from ..kernels.sdpa import attend
 from .base import AbstractCache
-from .storage import KVStorage, put_scale_rows, put_scale_windows, put_scales, store_kv, zero_kv
+from .storage import KVStorage, put_scale_rows, put_scale_windows, store_kv, zero_kv
 
 KV_AXES = ("layers", "cache_batch", "cache_seq", "cache_kv_heads", "head_dim")
 # Rows of at least this many tokens are written as one window each. On a TPU v5e an
@@ -112,9 +112,7 @@ class KVCache(AbstractCache, KVStorage, HasAxes):
         def put_scale(buf, x):  # x [rows, seq, kv_heads] into buf [layers, batch, groups, rows, lanes]
             if windows:
                 return put_scale_windows(buf, index, rows, positions[:, 0], x)
-            if seq == 1 and B > 1:  # a decoded token per row: each its own row of scales
-                return put_scale_rows(buf, (index, rows), positions[:, 0], x[:, 0])
-            return put_scales(buf, (index, rows[:, None]), positions, x)
+            return put_scale_rows(buf, (index, rows[:, None]), positions, x, self.max_len)
 
         return store_kv(self, put, put_scale, k_new, v_new)
 

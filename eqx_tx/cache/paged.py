@@ -34,7 +34,7 @@ from ..kernels.mask import AttentionMask
 from ..kernels.paged import paged_attention
 from ..kernels.quantized import Quantized
 from .base import AbstractCache
-from .storage import KVStorage, put_scale_rows, put_scales, store_kv, zero_kv
+from .storage import KVStorage, put_scale_rows, store_kv, zero_kv
 
 POOL_AXES = ("layers", "cache_pages", "cache_seq", "cache_kv_heads", "head_dim")
 POOL_SCALE_AXES = ("layers", "cache_pages", "cache_kv_heads", "cache_seq", None)
@@ -131,13 +131,10 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         def put(buf, x):
             return buf.at[index, page, offset].set(x.astype(buf.dtype), mode="drop")
 
-        def put_scale(buf, x):  # group by group: a decode group's rows of scales written whole
+        def put_scale(buf, x):  # group by group: each row's offsets run consecutively within a page
             parts = [x] if self.groups is None else split_tokens(x, self.groups)
             for (page_g, offset_g), x_g in zip(slots, parts):
-                if x_g.shape[:2] == (1, 1) or x_g.shape[1] > 1:
-                    buf = put_scales(buf, (index, page_g), offset_g, x_g)
-                else:  # one token per sequence, each in its own page
-                    buf = put_scale_rows(buf, (index, page_g[:, 0]), offset_g[:, 0], x_g[:, 0])
+                buf = put_scale_rows(buf, (index, page_g), offset_g, x_g, self.page_size)
             return buf
 
         return store_kv(self, put, put_scale, k_new, v_new)

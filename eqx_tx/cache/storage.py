@@ -9,7 +9,7 @@ Keys/values are `[..., tokens, kv_heads, head_dim]`; their scales are stored
 (`eqx_tx.kernels.quantized` gives the layout): what the TPU decode kernel reads, a
 row per 128 of its score columns (`eqx_tx.kernels.decode_tpu`). `KVStorage.pair`
 hands them out as `Quantized` (`[..., tokens, kv_heads]`) all the same;
-`put_scales`, `put_scale_rows` and `put_scale_windows` write them.
+`put_scale_rows` and `put_scale_windows` write them.
 
 On XLA:CPU a bf16 cache is stored as its uint16 bit patterns (`storage_dtype`):
 XLA:CPU has no bf16 arithmetic, and a scatter into a bf16 buffer (or a read of a few
@@ -121,38 +121,49 @@ def _row_lane(scales: Array, positions: Array, kv_heads: int) -> tuple[Array, Ar
     return positions // per_row, (positions % per_row) * heads, heads
 
 
-def put_scales(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Array, ...],
-               positions: Int[Array, "*tokens"], x: Float[Array, "*tokens kv_heads"]) -> Array:
-    """`scales` with token `i`'s `x[i]` written at `(*lead[:][i], positions[i])`, each
-    token's heads one window of its row (a row or lead index out of range: dropped).
-    `lead`: indices into `scales`' leading axes, broadcast to `positions`' shape."""
-    row, lane, heads = _row_lane(scales, positions, x.shape[-1])
-    n_lead, groups = len(lead), scales.shape[-3]
-    index = [jnp.broadcast_to(i, positions.shape) for i in lead] + [row, lane]
-    indices = jnp.stack([i.astype(jnp.int32).reshape(-1) for i in index], axis=-1)
-    updates = x.reshape(-1, groups, heads).astype(scales.dtype)
-    numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(1, 2), inserted_window_dims=(*range(n_lead), n_lead + 1),
-        scatter_dims_to_operand_dims=(*range(n_lead), n_lead + 1, n_lead + 2))
-    return jax.lax.scatter(scales, indices, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-
-
 def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Array, ...],
-                   positions: Int[Array, " tokens"], x: Float[Array, "tokens kv_heads"]) -> Array:
-    """`put_scales` for tokens that each own their row of scales (one decoded token per
-    sequence: no two write the same row): each row read, the token's heads placed in
-    it, and written back whole, a window of every lane, instead of a window of
-    `kv_heads` lanes at a lane offset known only at run time."""
-    row, lane, heads = _row_lane(scales, positions, x.shape[-1])
-    groups, rows, lanes = scales.shape[-3:]
-    index = tuple(jnp.broadcast_to(i, positions.shape).astype(jnp.int32) for i in lead)
-    at = (*index, slice(None), jnp.clip(row, 0, rows - 1))
-    old = scales[at]  # [tokens, groups, lanes]
-    col = jnp.arange(lanes)[None, None, :] - lane[:, None, None]
-    placed = jnp.take_along_axis(x.reshape(-1, groups, heads).astype(scales.dtype),
-                                 jnp.broadcast_to(jnp.clip(col, 0, heads - 1), old.shape), axis=-1)
-    new = jnp.where((col >= 0) & (col < heads), placed, old)
-    return scales.at[(*index, slice(None), row)].set(new, mode="drop")
+                   positions: Int[Array, "runs seq"], x: Float[Array, "runs seq kv_heads"], tokens: int) -> Array:
+    """`scales` with `x[r, t]` written at `(*lead[:][r, t], positions[r, t])`, where each
+    run's positions are consecutive (a decoded token, or a chunk; in a page pool, from
+    the end of one page on at the start of the next) and `tokens` is the length of the
+    axis they index (a position outside `[0, tokens)`, or a lead index out of range:
+    dropped). `lead`: indices into `scales`' leading axes, broadcast to `positions`.
+
+    Written as whole rows of lanes: each row a run touches is read, the run's tokens
+    placed in it, and written back once, by the run's first token in it (where rows
+    tile the axis, only those tokens are looked at). On a TPU v5e a window of a token's
+    `kv_heads` lanes, at a lane offset known only at run time, is written in a serial
+    loop, ~3.3 us each (0.21 ms per layer and buffer at batch 64: decode at 22% of the
+    roofline, where whole rows give 51%; `benchmarks/results/accelerator_tpu_v5e.md`,
+    stop 56)."""
+    groups, n_rows, lanes = scales.shape[-3:]
+    runs, seq = positions.shape
+    heads = x.shape[-1] // groups
+    per_row = lanes // heads
+    lead = tuple(jnp.broadcast_to(i, positions.shape) for i in lead)
+    if tokens % per_row == 0:  # rows start every `per_row` positions along a run
+        k = jnp.arange(min(seq, ceil_div(seq - 1, per_row) + 1))
+        t = jnp.where(k == 0, 0, k * per_row - positions[:, :1] % per_row)  # [runs, rows touched]
+        first = t < seq
+        t = jnp.minimum(t, seq - 1)
+    else:  # every token looked at; the first of its row writes it
+        t = jnp.broadcast_to(jnp.arange(seq), positions.shape)
+        first = (t == 0) | (positions % per_row == 0)
+    at = jnp.take_along_axis(positions, t, axis=1)
+    index = tuple(jnp.take_along_axis(i, t, axis=1).astype(jnp.int32) for i in lead)
+    row, lane, _ = _row_lane(scales, at, x.shape[-1])
+    old = scales[(*index, slice(None), jnp.clip(row, 0, n_rows - 1))]  # [runs, n, groups, lanes]
+    # Lane l of token t's row holds this run's token j, head l % heads (when 0 <= j < seq).
+    slot = jnp.arange(lanes) // heads
+    j = t[..., None] + slot - (lane // heads)[..., None]  # [runs, n, lanes]
+    source = j * heads + jnp.arange(lanes) % heads
+    flat = jnp.swapaxes(x.reshape(runs, seq, groups, heads), 1, 2).reshape(runs, 1, groups, seq * heads)
+    placed = jnp.take_along_axis(flat.astype(scales.dtype),
+                                 jnp.broadcast_to(jnp.clip(source, 0, seq * heads - 1)[:, :, None], old.shape), axis=-1)
+    mine = (j >= 0) & (j < seq) & ((row * per_row)[..., None] + slot < tokens)  # lanes past the axis: kept
+    new = jnp.where(mine[:, :, None], placed, old)
+    writes = first & (at >= 0) & (at < tokens)
+    return scales.at[(*index, slice(None), jnp.where(writes, row, n_rows))].set(new, mode="drop")
 
 
 def put_scale_windows(scales: Float[Array, "layers batch groups rows lanes"], index: Int[Array, ""],
