@@ -118,8 +118,9 @@ class PagedKVCache(AbstractCache, KVStorage, HasAxes):
         positions: Int[Array, "batch seq"],
     ) -> "PagedKVCache":
         """Store `k_new, v_new` of layer `index` at `positions` of each sequence
-        (positions outside its allocated pages: dropped). With `groups`, every group's
-        tokens in one scatter."""
+        (positions outside its allocated pages: dropped). Each row's positions are
+        consecutive (a decoded token, or a chunk). With `groups`, every group's keys and
+        values in one scatter (int8 scales: one a group)."""
         if self.groups is None:
             slots = [_slots(self.page_table, positions, self.page_size, self.num_pages)]
             page, offset = slots[0]
