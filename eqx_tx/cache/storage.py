@@ -113,12 +113,18 @@ def scale_groups(kv_heads: int, tp: int) -> int:
     return tp if tp > 1 and kv_heads % tp == 0 else 1
 
 
-def _row_lane(scales: Array, positions: Array, kv_heads: int) -> tuple[Array, Array, int]:
-    """The row and first lane of each position's scales in `scales [..., groups, rows,
-    lanes]`, and a group's heads."""
+def _rows_of(scales: Array, kv_heads: int) -> tuple[int, int]:
+    """A group's heads and the tokens to a row of `scales [..., groups, rows, lanes]`:
+    position `p`'s scales are row `p // per_row`, lanes from `(p % per_row) * heads`."""
     heads = kv_heads // scales.shape[-3]
-    per_row = scales.shape[-1] // heads
-    return positions // per_row, (positions % per_row) * heads, heads
+    return heads, scales.shape[-1] // heads
+
+
+def _in_row_order(x: Float[Array, "runs seq kv_heads"], groups: int) -> Float[Array, "runs groups lanes"]:
+    """Each run's scales group by group, tokens-major with the group's heads minor
+    (`seq * kv_heads / groups` lanes): the order a row of stored scales holds them in."""
+    runs, seq, kv_heads = x.shape
+    return jnp.swapaxes(x.reshape(runs, seq, groups, kv_heads // groups), 1, 2).reshape(runs, groups, -1)
 
 
 def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Array, ...],
@@ -138,8 +144,7 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
     stop 56)."""
     groups, n_rows, lanes = scales.shape[-3:]
     runs, seq = positions.shape
-    heads = x.shape[-1] // groups
-    per_row = lanes // heads
+    heads, per_row = _rows_of(scales, x.shape[-1])
     lead = tuple(jnp.broadcast_to(i, positions.shape) for i in lead)
     if tokens % per_row == 0:  # rows start every `per_row` positions along a run
         k = jnp.arange(min(seq, ceil_div(seq - 1, per_row) + 1))
@@ -151,14 +156,13 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
         first = (t == 0) | (positions % per_row == 0)
     at = jnp.take_along_axis(positions, t, axis=1)
     index = tuple(jnp.take_along_axis(i, t, axis=1).astype(jnp.int32) for i in lead)
-    row, lane, _ = _row_lane(scales, at, x.shape[-1])
+    row = at // per_row
     old = scales[(*index, slice(None), jnp.clip(row, 0, n_rows - 1))]  # [runs, n, groups, lanes]
     # Lane l of token t's row holds this run's token j, head l % heads (when 0 <= j < seq).
     slot = jnp.arange(lanes) // heads
-    j = t[..., None] + slot - (lane // heads)[..., None]  # [runs, n, lanes]
+    j = t[..., None] + slot - (at % per_row)[..., None]  # [runs, n, lanes]
     source = j * heads + jnp.arange(lanes) % heads
-    flat = jnp.swapaxes(x.reshape(runs, seq, groups, heads), 1, 2).reshape(runs, 1, groups, seq * heads)
-    placed = jnp.take_along_axis(flat.astype(scales.dtype),
+    placed = jnp.take_along_axis(_in_row_order(x, groups)[:, None].astype(scales.dtype),
                                  jnp.broadcast_to(jnp.clip(source, 0, seq * heads - 1)[:, :, None], old.shape), axis=-1)
     mine = (j >= 0) & (j < seq) & ((row * per_row)[..., None] + slot < tokens)  # lanes past the axis: kept
     new = jnp.where(mine[:, :, None], placed, old)
@@ -175,15 +179,14 @@ def put_scale_windows(scales: Float[Array, "layers batch groups rows lanes"], in
     row instead of a scatter per token."""
     _, _, groups, R, lanes = scales.shape
     n_rows, seq, kv_heads = x.shape
-    first, _, heads = _row_lane(scales, starts, kv_heads)
-    per_row = lanes // heads
+    heads, per_row = _rows_of(scales, kv_heads)
     span = min(R, ceil_div(seq, per_row) + 1)  # rows a window of `seq` tokens can cover
-    first = jnp.clip(first, 0, R - span)
+    first = jnp.clip(starts // per_row, 0, R - span)
     covered = jax.vmap(lambda b, r: jax.lax.dynamic_slice(scales, (index, b, 0, r, 0), (1, 1, groups, span, lanes)))(
         rows, first)[:, 0, 0]  # [rows, groups, span, lanes]
-    new = jnp.swapaxes(x.reshape(n_rows, seq, groups, heads), 1, 2).reshape(n_rows, groups, seq * heads)
     run = jax.vmap(lambda c, n, at: jax.lax.dynamic_update_slice(c, n, (0, at)))(
-        covered.reshape(n_rows, groups, span * lanes), new.astype(scales.dtype), (starts - first * per_row) * heads)
+        covered.reshape(n_rows, groups, span * lanes), _in_row_order(x, groups).astype(scales.dtype),
+        (starts - first * per_row) * heads)
     inside = starts + seq <= R * per_row
     indices = jnp.stack([jnp.broadcast_to(index, rows.shape), rows, jnp.where(inside, first, R)], axis=-1)
     numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3), inserted_window_dims=(0, 1),
