@@ -12,10 +12,14 @@ sweep stops before `--budget-s`.
     python benchmarks/decode_sweep.py --settings 1024:1:bf16 1024:64:bf16 1024:64:int8 4096:16:bf16
 """
 
+import collections
 import dataclasses
+import gzip
 import itertools
 import json
 import os
+import re
+import shutil
 import time
 
 import jax
@@ -54,7 +58,11 @@ class Args:
     """Skip the settings left once this many seconds have passed."""
     profile_dir: str | None = None
     """Also trace one more timed call per setting with `jax.profiler` here, and report
-    its device ops that took the most time (ms per decode step)."""
+    its device ops that took the most time (ms per decode step) and their time by kind
+    (the op's name without its number); the trace and the decode program's HLO are left
+    there (`perfetto_*.json.gz`, `decode_*.hlo.txt.gz`)."""
+    temperature: float = 0.0
+    """Every sequence's `SamplingParams.temperature` (0: greedy, no random numbers)."""
 
 
 def measure(model, cfg, context: int, batch: int, dtype: str, attention: str, tokens_per_step: int, args: Args,
@@ -68,7 +76,8 @@ def measure(model, cfg, context: int, batch: int, dtype: str, attention: str, to
         raise ValueError(f"batch {batch} is not a multiple of --n {args.n}")
     prompts = rng.integers(0, cfg.vocab_size, (batch // args.n, context)).tolist()
     timed = args.steps * (1 if args.profile_dir is None else 2)  # the traced call decodes after the timed one
-    params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=())] * len(prompts)
+    params = [SamplingParams(max_new_tokens=args.warm + timed + 1, stop_token_ids=(),
+                             temperature=args.temperature)] * len(prompts)
     plan, seq_params, samples = generation.plan_requests(prompts, params, args.n, True, None)
     sampler = SamplerArrays.from_params(seq_params, cfg.eos_token_ids, cfg.vocab_size, samples)
     t = time.perf_counter()
@@ -83,11 +92,23 @@ def measure(model, cfg, context: int, batch: int, dtype: str, attention: str, to
     assert int(state.step) == args.warm + args.steps
     profile = {}
     if args.profile_dir is not None:
-        path, top = traced(os.path.join(args.profile_dir, f"trace_{context}_{batch}_{dtype}"),
+        name = f"{context}_{batch}_{dtype}_{tokens_per_step}_t{args.temperature:g}"
+        path, top = traced(os.path.join(args.profile_dir, f"trace_{name}"),
                            lambda: jax.block_until_ready(generation.decode(
-                               model, state, sampler, jnp.asarray(args.steps, jnp.int32), compute=compute)), 25)
+                               model, state, sampler, jnp.asarray(args.steps, jnp.int32), compute=compute)), 10_000)
         if path is not None:
-            profile["top_device_ops_ms_per_step"] = [(name, round(ms / args.steps, 4)) for name, ms in top]
+            shutil.copy(path, os.path.join(args.profile_dir, f"perfetto_{name}.json.gz"))
+            per_step = [(op, ms / args.steps) for op, ms in top]
+            profile["top_device_ops_ms_per_step"] = [(op, round(ms, 4)) for op, ms in per_step[:25]]
+            kinds = collections.Counter()
+            for op, ms in per_step:
+                if not op.startswith(("jit_", "while")):  # the program and its loop hold the rest
+                    kinds[re.sub(r"[.\d]+$", "", op)] += ms
+            profile["ms_per_step_by_kind"] = {k: round(v, 4) for k, v in kinds.most_common(30)}
+        hlo = generation.decode.lower(model, state, sampler, jnp.asarray(args.steps, jnp.int32),
+                                      compute=compute).compile().as_text()
+        with gzip.open(os.path.join(args.profile_dir, f"decode_{name}.hlo.txt.gz"), "wt") as f:
+            f.write(hlo)
     live = (batch // args.n) * context + batch * (args.warm + args.steps / 2)  # a shared prompt's keys once
     step_bytes = decode_bytes_per_token(cfg, 2, kv_length=live,
                                         kv_bytes=kv_element_bytes(cfg.head_dim, dtype))

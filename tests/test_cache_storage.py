@@ -9,8 +9,9 @@ import pytest
 
 from eqx_tx.cache.allocate import new_cache, new_paged_cache
 from eqx_tx.cache.dense import WINDOW_TOKENS
+from eqx_tx.cache.storage import put_scale_rows
 from eqx_tx.kernels.paged import paged_attention
-from eqx_tx.kernels.quantized import Quantized, scales_by_token
+from eqx_tx.kernels.quantized import Quantized, scales_by_token, stored_scales
 
 
 class _Shape:
@@ -180,3 +181,46 @@ def test_a_paged_int8_pool_takes_decode_rows_and_mixed_steps():
     for name, scales in (("k", cache.k_scale), ("v", cache.v_scale)):
         np.testing.assert_array_equal(np.asarray(scales_by_token(scales[1], page_size, K)),
                                       _scale_oracle((pages, page_size, K), writes[name]))
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr`, those of the programs it calls included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from _equations(getattr(sub, "jaxpr", sub))
+
+
+@pytest.mark.parametrize("kv_heads, groups, tokens, seq", [(8, 1, 64, 1), (8, 1, 64, 37), (8, 2, 64, 20), (8, 2, 48, 1),
+                                                            (4, 1, 40, 9), (2, 1, 150, 70)])
+def test_scale_rows_place_runs_at_any_offset_without_a_gather_of_the_new_scales(kv_heads, groups, tokens, seq):
+    """`put_scale_rows` against a plain array, runs starting at every offset into a row
+    of scales (and past the end of the axis), for several head counts and groups; where
+    rows tile the axis (or a run is one token), the run's scales reach their lanes by
+    shifts and selects, not a gather (a serial loop on a TPU)."""
+    rng = np.random.default_rng(5)
+    R = 2 * tokens
+    runs = np.arange(R)
+    starts = np.concatenate([np.arange(tokens), tokens - seq + np.arange(tokens)])[rng.permutation(2 * tokens)][:R]
+    before = rng.standard_normal((R, tokens, kv_heads)).astype(np.float32)
+    x = rng.standard_normal((R, seq, kv_heads)).astype(np.float32)
+    positions = starts[:, None] + np.arange(seq)
+    scales = stored_scales(jnp.asarray(before), groups)
+
+    def write(s, x):
+        return put_scale_rows(s, (jnp.asarray(runs)[:, None],), jnp.asarray(positions), x, tokens)
+
+    got = jax.jit(write)(scales, jnp.asarray(x))
+    want = before.copy()
+    for r in runs:
+        for t in range(seq):
+            if 0 <= positions[r, t] < tokens:
+                want[r, positions[r, t]] = x[r, t]
+    np.testing.assert_array_equal(np.asarray(scales_by_token(got, tokens, kv_heads)), want)
+    heads = kv_heads // groups
+    if tokens % (scales.shape[-1] // heads) == 0 or seq == 1:
+        gathered = [e.invars[0].aval.shape for e in _equations(jax.make_jaxpr(write)(scales, jnp.asarray(x)).jaxpr)
+                    if e.primitive.name == "gather"]
+        assert set(gathered) <= {scales.shape, positions.shape}, gathered  # rows of scales, positions

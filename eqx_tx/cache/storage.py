@@ -127,6 +127,20 @@ def _in_row_order(x: Float[Array, "runs seq kv_heads"], groups: int) -> Float[Ar
     return jnp.swapaxes(x.reshape(runs, seq, groups, kv_heads // groups), 1, 2).reshape(runs, groups, -1)
 
 
+def _shift_right(v: Float[Array, "runs groups width"], by: Int[Array, " runs"], step: int, most: int) -> Array:
+    """Each run's `v` moved `by[r] * step` lanes right (`0 <= by[r] <= most`), zeros
+    shifted in, the end cut off: one static shift and select per bit of `by`, all
+    elementwise (a gather or a window at a run-time lane offset is a serial loop on a
+    TPU)."""
+    for bit in range(most.bit_length()):
+        n = (1 << bit) * step
+        if n >= v.shape[-1]:
+            return jnp.where((by >= 1 << bit)[:, None, None], jnp.zeros_like(v), v)
+        moved = jnp.concatenate([jnp.zeros_like(v[..., :n]), v[..., :-n]], axis=-1)
+        v = jnp.where(((by >> bit) & 1 == 1)[:, None, None], moved, v)
+    return v
+
+
 def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[Array, ...],
                    positions: Int[Array, "runs seq"], x: Float[Array, "runs seq kv_heads"], tokens: int) -> Array:
     """`scales` with `x[r, t]` written at `(*lead[:][r, t], positions[r, t])`, where each
@@ -140,13 +154,16 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
     tile the axis, only those tokens are looked at). On a TPU v5e a window of a token's
     `kv_heads` lanes, at a lane offset known only at run time, is written in a serial
     loop, ~3.3 us each (0.21 ms per layer and buffer at batch 64: decode at 22% of the
-    roofline, where whole rows give 51%; `benchmarks/results/accelerator_tpu_v5e.md`,
-    stop 56)."""
+    roofline, where whole rows give 51%); placing the tokens by a gather of lanes took
+    ~43 us per layer and buffer (2.4 ms a step), so where rows tile the axis, or a run
+    is one token, the run is shifted into its rows' lanes by `_shift_right` instead
+    (`benchmarks/results/accelerator_tpu_v5e.md`, stops 56 and 57)."""
     groups, n_rows, lanes = scales.shape[-3:]
     runs, seq = positions.shape
     heads, per_row = _rows_of(scales, x.shape[-1])
     lead = tuple(jnp.broadcast_to(i, positions.shape) for i in lead)
-    if tokens % per_row == 0:  # rows start every `per_row` positions along a run
+    tiled = tokens % per_row == 0 or seq == 1  # rows start every `per_row` positions along a run
+    if tiled:
         k = jnp.arange(min(seq, ceil_div(seq - 1, per_row) + 1))
         t = jnp.where(k == 0, 0, k * per_row - positions[:, :1] % per_row)  # [runs, rows touched]
         first = t < seq
@@ -161,11 +178,19 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
     # Lane l of token t's row holds this run's token j, head l % heads (when 0 <= j < seq).
     slot = jnp.arange(lanes) // heads
     j = t[..., None] + slot - (at % per_row)[..., None]  # [runs, n, lanes]
-    source = j * heads + jnp.arange(lanes) % heads
-    placed = jnp.take_along_axis(_in_row_order(x, groups)[:, None].astype(scales.dtype),
-                                 jnp.broadcast_to(jnp.clip(source, 0, seq * heads - 1)[:, :, None], old.shape), axis=-1)
-    mine = (j >= 0) & (j < seq) & ((row * per_row)[..., None] + slot < tokens)  # lanes past the axis: kept
-    new = jnp.where(mine[:, :, None], placed, old)
+    flat = _in_row_order(x, groups).astype(scales.dtype)  # [runs, groups, seq * heads]
+    if tiled:  # row k holds the run's tokens from k * per_row - (its first position % per_row) on
+        n, width = t.shape[1], per_row * heads
+        flat = jnp.pad(flat, ((0, 0), (0, 0), (0, n * width - seq * heads)))
+        flat = _shift_right(flat, positions[:, 0] % per_row, heads, per_row - 1)
+        placed = jnp.swapaxes(flat.reshape(runs, groups, n, width), 1, 2)
+        placed = jnp.pad(placed, ((0, 0), (0, 0), (0, 0), (0, lanes - width)))
+    else:
+        source = j * heads + jnp.arange(lanes) % heads
+        placed = jnp.take_along_axis(flat[:, None], jnp.broadcast_to(jnp.clip(source, 0, seq * heads - 1)[:, :, None],
+                                                                     old.shape), axis=-1)
+    mine = (j >= 0) & (j < seq) & (slot < per_row) & ((row * per_row)[..., None] + slot < tokens)
+    new = jnp.where(mine[:, :, None], placed, old)  # lanes past the axis or a row's slots: kept
     writes = first & (at >= 0) & (at < tokens)
     return scales.at[(*index, slice(None), jnp.where(writes, row, n_rows))].set(new, mode="drop")
 
