@@ -1,6 +1,7 @@
 """One decode step's int8 scale write on the CPU: `put_scale_rows` (whole rows of 128
-lanes) against stop 55's `put_scales` (a window of each token's heads), interleaved
-in one process.
+lanes) against an older writer, interleaved in one process: stop 55's `put_scales` (a
+window of each token's heads), or stop 56's `put_scale_rows` (its lanes placed by a
+gather).
 
 Batch 64, a 4,096-token cache of 8 kv heads; microseconds per write of one layer's
 scale buffer (a decode step makes two per layer), the median of `--rounds` rounds of
@@ -8,6 +9,8 @@ scale buffer (a decode step makes two per layer), the median of `--rounds` round
 
     git show 3438863:eqx_tx/cache/storage.py > /tmp/old_storage.py
     python benchmarks/scale_write_cpu.py --old /tmp/old_storage.py
+    git show 26bc93b:eqx_tx/cache/storage.py > /tmp/rows_storage.py
+    python benchmarks/scale_write_cpu.py --old /tmp/rows_storage.py --old-function put_scale_rows
 """
 
 import dataclasses
@@ -29,7 +32,9 @@ from eqx_tx.cache.allocate import new_cache
 @dataclasses.dataclass(frozen=True)
 class Args:
     old: str = "/tmp/old_storage.py"
-    """`eqx_tx/cache/storage.py` as of a commit that has `put_scales`."""
+    """`eqx_tx/cache/storage.py` as of an earlier commit."""
+    old_function: str = "put_scales"
+    """The old file's writer: `put_scales` (stop 55) or `put_scale_rows` (stop 56)."""
     batch: int = 64
     tokens: int = 4096
     rounds: int = 5
@@ -49,7 +54,9 @@ def main(args: Args) -> None:
     x = jnp.ones((B, 1, _Shape.num_key_value_heads), jnp.float32)
     lead = (jnp.asarray(1), jnp.arange(B)[:, None])
     writes = {"put_scale_rows": jax.jit(lambda b, p: storage.put_scale_rows(b, lead, p, x, L), donate_argnums=0),
-              "put_scales (old)": jax.jit(lambda b, p: old.put_scales(b, lead, p, x), donate_argnums=0)}
+              f"{args.old_function} (old)": jax.jit(lambda b, p: old.put_scales(b, lead, p, x)
+                                                    if args.old_function == "put_scales"
+                                                    else old.put_scale_rows(b, lead, p, x, L), donate_argnums=0)}
     positions = [jnp.full((B, 1), L // 4 + i, jnp.int32) for i in range(200)]
     times = {name: [] for name in writes}
     for _ in range(args.rounds):

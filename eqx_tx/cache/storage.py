@@ -155,8 +155,8 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
     `kv_heads` lanes, at a lane offset known only at run time, is written in a serial
     loop, ~3.3 us each (0.21 ms per layer and buffer at batch 64: decode at 22% of the
     roofline, where whole rows give 51%); placing the tokens by a gather of lanes took
-    ~43 us per layer and buffer (2.4 ms a step), so where rows tile the axis, or a run
-    is one token, the run is shifted into its rows' lanes by `_shift_right` instead
+    ~43 us per layer and buffer (2.4 ms a step), so a token is repeated over its row, and
+    where rows tile the axis a run is shifted into its rows' lanes by `_shift_right`
     (`benchmarks/results/accelerator_tpu_v5e.md`, stops 56 and 57)."""
     groups, n_rows, lanes = scales.shape[-3:]
     runs, seq = positions.shape
@@ -179,8 +179,12 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
     slot = jnp.arange(lanes) // heads
     j = t[..., None] + slot - (at % per_row)[..., None]  # [runs, n, lanes]
     flat = _in_row_order(x, groups).astype(scales.dtype)  # [runs, groups, seq * heads]
-    if tiled:  # row k holds the run's tokens from k * per_row - (its first position % per_row) on
-        n, width = t.shape[1], per_row * heads
+    width = per_row * heads
+    if seq == 1:  # one token: its heads repeated over the row, the lanes of its slot kept (`mine`)
+        placed = jnp.tile(flat, (1, 1, per_row))[:, None]
+        placed = jnp.pad(placed, ((0, 0), (0, 0), (0, 0), (0, lanes - width)))
+    elif tiled:  # row k holds the run's tokens from k * per_row - (its first position % per_row) on
+        n = t.shape[1]
         flat = jnp.pad(flat, ((0, 0), (0, 0), (0, n * width - seq * heads)))
         flat = _shift_right(flat, positions[:, 0] % per_row, heads, per_row - 1)
         placed = jnp.swapaxes(flat.reshape(runs, groups, n, width), 1, 2)
