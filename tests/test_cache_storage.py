@@ -187,10 +187,8 @@ def _equations(jaxpr):
     """Every equation of `jaxpr`, those of the programs it calls included."""
     for e in jaxpr.eqns:
         yield e
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from _equations(getattr(sub, "jaxpr", sub))
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _equations(sub)
 
 
 @pytest.mark.parametrize("kv_heads, groups, tokens, seq", [(8, 1, 64, 1), (8, 1, 64, 37), (8, 2, 64, 20), (8, 2, 48, 1),

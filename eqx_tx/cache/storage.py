@@ -117,6 +117,9 @@ def _rows_of(scales: Array, kv_heads: int) -> tuple[int, int]:
     """A group's heads and the tokens to a row of `scales [..., groups, rows, lanes]`:
     position `p`'s scales are row `p // per_row`, lanes from `(p % per_row) * heads`."""
     heads = kv_heads // scales.shape[-3]
+    if scales.shape[-1] % heads:
+        raise ValueError(f"scales {scales.shape}: rows of {scales.shape[-1]} lanes do not hold whole tokens of "
+                         f"{heads} heads (eqx_tx.kernels.quantized.scale_shape)")
     return heads, scales.shape[-1] // heads
 
 
@@ -134,8 +137,6 @@ def _shift_right(v: Float[Array, "runs groups width"], by: Int[Array, " runs"], 
     TPU)."""
     for bit in range(most.bit_length()):
         n = (1 << bit) * step
-        if n >= v.shape[-1]:
-            return jnp.where((by >= 1 << bit)[:, None, None], jnp.zeros_like(v), v)
         moved = jnp.concatenate([jnp.zeros_like(v[..., :n]), v[..., :-n]], axis=-1)
         v = jnp.where(((by >> bit) & 1 == 1)[:, None, None], moved, v)
     return v
@@ -179,22 +180,19 @@ def put_scale_rows(scales: Float[Array, "*lead groups rows lanes"], lead: tuple[
     slot = jnp.arange(lanes) // heads
     j = t[..., None] + slot - (at % per_row)[..., None]  # [runs, n, lanes]
     flat = _in_row_order(x, groups).astype(scales.dtype)  # [runs, groups, seq * heads]
-    width = per_row * heads
     if seq == 1:  # one token: its heads repeated over the row, the lanes of its slot kept (`mine`)
         placed = jnp.tile(flat, (1, 1, per_row))[:, None]
-        placed = jnp.pad(placed, ((0, 0), (0, 0), (0, 0), (0, lanes - width)))
     elif tiled:  # row k holds the run's tokens from k * per_row - (its first position % per_row) on
         n = t.shape[1]
-        flat = jnp.pad(flat, ((0, 0), (0, 0), (0, n * width - seq * heads)))
+        flat = jnp.pad(flat, ((0, 0), (0, 0), (0, n * lanes - seq * heads)))
         flat = _shift_right(flat, positions[:, 0] % per_row, heads, per_row - 1)
-        placed = jnp.swapaxes(flat.reshape(runs, groups, n, width), 1, 2)
-        placed = jnp.pad(placed, ((0, 0), (0, 0), (0, 0), (0, lanes - width)))
+        placed = jnp.swapaxes(flat.reshape(runs, groups, n, lanes), 1, 2)
     else:
         source = j * heads + jnp.arange(lanes) % heads
         placed = jnp.take_along_axis(flat[:, None], jnp.broadcast_to(jnp.clip(source, 0, seq * heads - 1)[:, :, None],
                                                                      old.shape), axis=-1)
-    mine = (j >= 0) & (j < seq) & (slot < per_row) & ((row * per_row)[..., None] + slot < tokens)
-    new = jnp.where(mine[:, :, None], placed, old)  # lanes past the axis or a row's slots: kept
+    mine = (j >= 0) & (j < seq) & ((row * per_row)[..., None] + slot < tokens)
+    new = jnp.where(mine[:, :, None], placed, old)  # lanes past the axis: kept
     writes = first & (at >= 0) & (at < tokens)
     return scales.at[(*index, slice(None), jnp.where(writes, row, n_rows))].set(new, mode="drop")
 
