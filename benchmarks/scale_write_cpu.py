@@ -53,10 +53,14 @@ def main(args: Args) -> None:
     scales = new_cache(_Shape(), B, L, "int8").k_scale
     x = jnp.ones((B, 1, _Shape.num_key_value_heads), jnp.float32)
     lead = (jnp.asarray(1), jnp.arange(B)[:, None])
+    if args.old_function == "put_scales":
+        def old_write(b, p):
+            return old.put_scales(b, lead, p, x)
+    else:
+        def old_write(b, p):
+            return old.put_scale_rows(b, lead, p, x, L)
     writes = {"put_scale_rows": jax.jit(lambda b, p: storage.put_scale_rows(b, lead, p, x, L), donate_argnums=0),
-              f"{args.old_function} (old)": jax.jit(lambda b, p: old.put_scales(b, lead, p, x)
-                                                    if args.old_function == "put_scales"
-                                                    else old.put_scale_rows(b, lead, p, x, L), donate_argnums=0)}
+              f"{args.old_function} (old)": jax.jit(old_write, donate_argnums=0)}
     positions = [jnp.full((B, 1), L // 4 + i, jnp.int32) for i in range(200)]
     times = {name: [] for name in writes}
     for _ in range(args.rounds):
