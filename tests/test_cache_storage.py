@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from eqx_tx.cache.allocate import new_cache, new_paged_cache
 from eqx_tx.cache.dense import WINDOW_TOKENS
@@ -187,7 +188,7 @@ def _equations(jaxpr):
     """Every equation of `jaxpr`, those of the programs it calls included."""
     for e in jaxpr.eqns:
         yield e
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
+        for sub in jaxprs_in_params(e.params):
             yield from _equations(sub)
 
 
